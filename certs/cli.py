@@ -1,0 +1,77 @@
+"""``sbxnet certs``: mint the certificates a deployment needs, and print SPKI pins."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="certs_cmd", metavar="ACTION", required=True)
+    ca = sub.add_parser("ca", help="mint a CA (ca.crt, ca.key)")
+    ca.add_argument("--dir", type=Path, required=True, help="output directory")
+    ca.add_argument("--name", default="sbxnet CA", help="CA common name")
+    ca.add_argument("--days", type=float, default=3650)
+
+    fw = sub.add_parser("forwarder", help="mint a forwarder server certificate signed by the CA")
+    fw.add_argument("--dir", type=Path, required=True, help="directory holding ca.crt/ca.key; output too")
+    fw.add_argument("--name", default="forwarder", help="file stem and common name")
+    fw.add_argument("--dns", action="append", default=[], help="DNS SAN (repeatable)")
+    fw.add_argument("--ip", action="append", default=[], help="IP SAN (repeatable)")
+    fw.add_argument("--days", type=float, default=365)
+
+    gw = sub.add_parser("gateway", help="mint a gateway client certificate (URI SAN) signed by the CA")
+    gw.add_argument("--dir", type=Path, required=True, help="directory holding ca.crt/ca.key; output too")
+    gw.add_argument("--name", default="gateway", help="file stem and common name")
+    gw.add_argument("--trust-domain", default="sbxnet.local", help="SPIFFE trust domain")
+    gw.add_argument("--uri", action="append", default=[], help="URI SAN (default spiffe://<td>/gateway)")
+    gw.add_argument("--days", type=float, default=365)
+
+    pin = sub.add_parser("pin", help="print the SPKI pin (base64 SHA-256) of a PEM certificate")
+    pin.add_argument("cert", type=Path)
+
+    dev = sub.add_parser("dev", help="mint a CA, a forwarder (localhost) and a gateway certificate")
+    dev.add_argument("--dir", type=Path, required=True)
+    dev.add_argument("--trust-domain", default="sbxnet.local")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cryptography import x509
+
+    from certs.mint import load_issued, mint_ca, mint_leaf, spki_pin, write_issued
+
+    cmd = args.certs_cmd
+    if cmd == "pin":
+        cert = x509.load_pem_x509_certificate(args.cert.read_bytes())
+        print(spki_pin(cert))
+        return 0
+    if cmd in ("ca", "dev"):
+        ca = mint_ca(getattr(args, "name", "sbxnet dev CA"), days=getattr(args, "days", 3650))
+        write_issued(ca, args.dir, "ca")
+        print(f"wrote {args.dir / 'ca.crt'} and {args.dir / 'ca.key'} (0600)")
+        if cmd == "ca":
+            return 0
+        fw = mint_leaf(ca, "forwarder", dns=("localhost",), ips=("127.0.0.1", "::1"), server=True)
+        write_issued(fw, args.dir, "forwarder")
+        gw_uri = f"spiffe://{args.trust_domain}/gateway"
+        gw = mint_leaf(ca, "gateway", uris=(gw_uri,), server=False, client=True)
+        write_issued(gw, args.dir, "gateway")
+        print(f"wrote forwarder.crt/.key (DNS localhost, IP 127.0.0.1) pin {spki_pin(fw.cert)}")
+        print(f"wrote gateway.crt/.key (URI {gw_uri})")
+        return 0
+    try:
+        ca = load_issued(args.dir, "ca")
+    except FileNotFoundError as e:
+        print(f"certs: {e.filename} not found: mint a CA first with 'sbxnet certs ca --dir {args.dir}'")
+        return 1
+    if cmd == "forwarder":
+        if not (args.dns or args.ip):
+            print("certs: a forwarder certificate needs at least one --dns or --ip")
+            return 2
+        leaf = mint_leaf(ca, args.name, dns=tuple(args.dns), ips=tuple(args.ip), server=True, days=args.days)
+    else:
+        uris = tuple(args.uri) or (f"spiffe://{args.trust_domain}/gateway",)
+        leaf = mint_leaf(ca, args.name, uris=uris, server=False, client=True, days=args.days)
+    cert_path, key_path = write_issued(leaf, args.dir, args.name)
+    print(f"wrote {cert_path} and {key_path} (0600); SPKI pin {spki_pin(leaf.cert)}")
+    return 0

@@ -1,0 +1,1 @@
+"""The ingress forwarder and everything else that runs on a sandbox host."""

@@ -1,0 +1,1 @@
+"""The TLS front end (gateway). Built on the forwarder core; see docs/architecture.md."""
