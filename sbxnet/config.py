@@ -67,6 +67,6 @@ def load_settings(
 
     Loaded.__name__ = cls.__name__
     try:
-        return Loaded(**cli_values)  # type: ignore[no-any-return]
+        return Loaded(**cli_values)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, section, env_prefix)) from None

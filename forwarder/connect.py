@@ -1,0 +1,85 @@
+"""Connecting to a sandbox that may still be starting (cold start).
+
+Two separate clocks, both from the design contract:
+- an attempt that gets no answer (no SYN-ACK, no RST) is abandoned after ``syn_interval`` and a fresh
+  socket sends a fresh SYN at once, instead of waiting for the kernel's 1 s SYN retransmit;
+- a refused attempt (RST: nothing listening yet) waits ``backoff_initial``, doubling up to
+  ``backoff_cap``, before the next one.
+Everything happens inside one deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# Errors that mean "nobody is there yet" rather than "this can never work".
+_RETRYABLE = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET, errno.ETIMEDOUT}
+
+
+def backoff_delays(initial: float, cap: float) -> Iterator[float]:
+    """initial, 2*initial, 4*initial, ... capped at ``cap`` (pure; the schedule the tests check)."""
+    delay = initial
+    while True:
+        yield min(delay, cap)
+        delay = min(delay * 2, cap)
+
+
+@dataclass
+class ConnectResult:
+    sock: socket.socket | None
+    attempts: int
+    elapsed: float
+    last_error: str  # "" on success; "refused", "no_answer", "unreachable", ...
+
+
+async def connect_with_retry(
+    addr: ipaddress.IPv4Address | ipaddress.IPv6Address,
+    port: int,
+    *,
+    deadline_s: float,
+    syn_interval: float,
+    backoff_initial: float,
+    backoff_cap: float,
+) -> ConnectResult:
+    """Connect to (addr, port) before the deadline; the caller owns the returned non-blocking socket."""
+    loop = asyncio.get_running_loop()
+    family = socket.AF_INET if addr.version == 4 else socket.AF_INET6
+    start = time.monotonic()
+    deadline = start + deadline_s
+    delays = backoff_delays(backoff_initial, backoff_cap)
+    attempts = 0
+    last = "deadline"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return ConnectResult(None, attempts, time.monotonic() - start, last)
+        attempts += 1
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            async with asyncio.timeout(min(syn_interval, remaining)):
+                await loop.sock_connect(sock, (str(addr), port))
+            return ConnectResult(sock, attempts, time.monotonic() - start, "")
+        except TimeoutError:
+            sock.close()
+            last = "no_answer"
+            continue  # fresh SYN now
+        except OSError as e:
+            sock.close()
+            if e.errno not in _RETRYABLE:
+                reason = errno.errorcode.get(e.errno or 0, "oserror")
+                return ConnectResult(None, attempts, time.monotonic() - start, reason)
+            last = "refused" if e.errno == errno.ECONNREFUSED else "unreachable"
+        except BaseException:
+            sock.close()
+            raise
+        delay = min(next(delays), deadline - time.monotonic())
+        if delay > 0:
+            await asyncio.sleep(delay)

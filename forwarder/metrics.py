@@ -1,0 +1,46 @@
+"""The forwarder's Prometheus metrics. One instance per server; labels are fixed, countable tokens."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+CONNECT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ForwarderMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.connections = Counter(
+            "sbxnet_forwarder_connections", "Connections by final outcome", ["outcome"], registry=r
+        )
+        self.open_connections = Gauge(
+            "sbxnet_forwarder_open_connections", "Connections being served now", registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.bytes = Counter(
+            "sbxnet_forwarder_bytes", "Tenant bytes moved (up: gateway to sandbox)", ["direction"], registry=r
+        )
+        self.handshake_rejects = Counter(
+            "sbxnet_forwarder_handshake_rejects", "TLS handshakes refused, by reason", ["reason"], registry=r
+        )
+        self.preamble_rejects = Counter(
+            "sbxnet_forwarder_preamble_rejects", "Preambles refused, by reason", ["reason"], registry=r
+        )
+        self.target_rejects = Counter(
+            "sbxnet_forwarder_target_rejects", "Preamble targets refused, by reason", ["reason"], registry=r
+        )
+        self.connect_attempts = Counter(
+            "sbxnet_forwarder_connect_attempts", "TCP connect attempts to sandboxes", registry=r
+        )
+        self.connect_latency = Histogram(
+            "sbxnet_forwarder_connect_seconds", "Time to connect to the sandbox, retries included",
+            ["result"], buckets=CONNECT_BUCKETS, registry=r,
+        )
+        self.data_plane = Gauge(
+            "sbxnet_forwarder_data_plane", "Data plane serving (1 = in use)", ["plane"], registry=r,
+            multiprocess_mode="max",
+        )
+        self.reloads = Counter(
+            "sbxnet_forwarder_cert_reloads", "Certificate reloads by result", ["result"], registry=r
+        )

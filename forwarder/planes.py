@@ -1,0 +1,53 @@
+"""What every data plane receives and returns.
+
+After the handshake, the preamble and the status record, the server hands a connection to a data plane
+(``userspace``: TLS in user space, bytes copied; ``ktls``: keys in the kernel, splice). Both planes
+follow the same rules: each direction ends independently (half-close is forwarded as half-close),
+the remaining direction gets ``close_timeout``, a reset at either end becomes a reset at the other, and
+the meter counts exactly the bytes delivered.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Protocol
+
+from forwarder.metering import ConnMeter
+from forwarder.tls_link import TlsLink
+
+
+class Outcome(enum.StrEnum):
+    CLOSED = "closed"  # both directions ended with an orderly end of stream
+    RESET_GATEWAY = "reset_gateway"  # the gateway side reset; the sandbox side was reset too
+    RESET_SANDBOX = "reset_sandbox"  # the sandbox reset; the gateway side was reset too
+    CLOSE_TIMEOUT = "close_timeout"  # one side ended, the other did not within close_timeout
+    TLS_ERROR = "tls_error"  # a record failed to decrypt, or a TLS message we refuse (KeyUpdate)
+    DRAINED = "drained"  # still open when the drain deadline passed
+    INTERNAL = "internal"
+
+
+@dataclass
+class Handoff:
+    link: TlsLink  # handshake done, preamble consumed, status sent; nothing buffered in OpenSSL
+    upstream: socket.socket  # connected to the sandbox, non-blocking
+    leftover: bytes  # tenant bytes that shared a record with the end of the preamble
+    meter: ConnMeter
+    close_timeout: float
+
+
+class DataPlane(Protocol):
+    name: str
+
+    async def run(self, handoff: Handoff) -> Outcome: ...
+
+
+def abort(sock: socket.socket) -> None:
+    """Close with a TCP reset (SO_LINGER 0), so the peer sees a reset rather than end of stream."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()

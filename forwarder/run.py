@@ -1,0 +1,84 @@
+"""Running a forwarder process: logging, the event loop, signals, the ops endpoints.
+
+SIGTERM and SIGINT drain (stop accepting, let live connections finish up to ``drain_timeout``);
+SIGHUP reloads certificates without touching live connections. With ``workers`` > 1 the supervisor
+in ``forwarder.workers`` starts that many of these processes on one port (SO_REUSEPORT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import ssl
+import sys
+
+from forwarder.settings import ForwarderSettings
+from sbxnet import jsonlog
+
+log = logging.getLogger("sbxnet.forwarder")
+
+
+def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
+    jsonlog.setup(settings.log_level)
+    workers = settings.workers or (os.cpu_count() or 1)
+    try:
+        from forwarder.tls import server_context
+
+        server_context(settings)
+    except (OSError, ssl.SSLError, ValueError) as e:
+        print(f"forwarder: cannot load the TLS material ({e}); check cert_file, key_file and ca_file", file=sys.stderr)
+        return 2
+    if check_only:
+        print("forwarder: settings and certificates are valid")
+        return 0
+    if workers > 1:
+        from forwarder.workers import supervise
+
+        return supervise(settings, workers)
+    return run_single(settings)
+
+
+def run_single(settings: ForwarderSettings, *, reuse_port: bool = False, ops: bool = True) -> int:
+    import uvloop
+
+    return uvloop.run(_main(settings, reuse_port=reuse_port, ops=ops))
+
+
+async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> int:
+    from prometheus_client import generate_latest
+
+    from forwarder.ops_http import OpsServer
+    from forwarder.server import ForwarderServer, ListenError
+
+    server = ForwarderServer(settings, reuse_port=reuse_port)
+    try:
+        await server.start()
+    except ListenError as e:
+        print(f"forwarder: {e.detail}", file=sys.stderr)
+        return 1
+    ops_server = None
+    if ops and settings.metrics_port:
+        ops_server = OpsServer(lambda: generate_latest(server.metrics.registry), lambda: server.ready)
+        try:
+            port = await ops_server.start(str(settings.metrics_host), settings.metrics_port)
+        except OSError as e:
+            print(f"forwarder: cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                  f"{e.strerror} (choose another metrics_port, or 0 to disable)", file=sys.stderr)
+            await server.drain(0)
+            return 1
+        log.info("ops endpoints up", extra={"event": "ops_listening",
+                 "fields": {"address": f"{settings.metrics_host}:{port}"}})
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload)
+    await stop.wait()
+    cut = await server.drain()
+    if ops_server:
+        await ops_server.close()
+    log.info("stopped", extra={"event": "stopped", "fields": {"cut": cut}})
+    return 0

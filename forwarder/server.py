@@ -1,0 +1,352 @@
+"""The forwarder's accept loop and per-connection sequence (the adapter that owns the sockets).
+
+Per connection: take a slot, accept, TLS handshake within ``handshake_timeout`` (refusals counted by
+reason), peer SAN against the allowlist, preamble within ``preamble_timeout`` and ``preamble_max_bytes``,
+target guard, connect with cold-start retry, one status record, then the data plane. Nothing reaches a
+sandbox before the peer is authenticated and the preamble is whole and allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import secrets
+import socket
+import ssl
+import time
+
+from forwarder.connect import connect_with_retry
+from forwarder.host_addrs import host_addresses
+from forwarder.metering import Meter
+from forwarder.metrics import ForwarderMetrics
+from forwarder.planes import DataPlane, Handoff, Outcome, abort
+from forwarder.san_acl import SanAllowlist, peer_sans
+from forwarder.settings import ForwarderSettings
+from forwarder.target_guard import TargetPolicy, TargetRefused, judge_target
+from forwarder.tls import handshake_failure_reason, server_context
+from forwarder.tls_link import TlsLink
+from sbxnet.errors import RemoteProtocolError, SbxnetError
+from sbxnet.protocol.preamble import Preamble, PreambleError, pull_preamble
+from sbxnet.protocol.status import Status, push_status
+
+log = logging.getLogger("sbxnet.forwarder")
+
+
+class ListenError(SbxnetError):
+    pass
+
+
+def bind_listener(host: str, port: int, *, reuse_port: bool, backlog: int = 1024) -> socket.socket:
+    """A listening socket, or ListenError with a message an operator can act on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ListenError(
+                "listen",
+                f"cannot listen on {host}:{port}: the address is already in use by another process "
+                f"(stop it, or choose another port with listen_port / SBXNET_FORWARDER_LISTEN_PORT)",
+            ) from None
+        if e.errno == errno.EACCES:
+            raise ListenError("listen", f"cannot listen on {host}:{port}: permission denied") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ListenError("listen", f"cannot listen on {host}:{port}: no such local address") from None
+        raise ListenError("listen", f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def make_plane(settings: ForwarderSettings) -> DataPlane:
+    if settings.data_plane == "userspace":
+        from forwarder.userspace_plane import UserspacePlane
+
+        return UserspacePlane()
+    raise ValueError(f"unknown data plane {settings.data_plane!r}")
+
+
+class ForwarderServer:
+    def __init__(
+        self,
+        settings: ForwarderSettings,
+        *,
+        metrics: ForwarderMetrics | None = None,
+        plane: DataPlane | None = None,
+        reuse_port: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or ForwarderMetrics()
+        self.plane = plane or make_plane(settings)
+        self.ctx = server_context(settings)
+        self.acl = SanAllowlist(tuple(settings.client_san_allow))
+        self.policy = TargetPolicy(
+            prefixes=tuple(settings.sandbox_prefixes),
+            allow=tuple(settings.allow_targets),
+            host_addresses=host_addresses(),
+        )
+        self.meter = Meter()
+        self._reuse_port = reuse_port
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._flush_task: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(settings.max_connections)
+        self._draining = False
+        self._flushed = (0, 0)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None
+        return int(self._listener.getsockname()[1])
+
+    @property
+    def ready(self) -> bool:
+        return self._listener is not None and not self._draining
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    async def start(self, listener: socket.socket | None = None) -> None:
+        s = self.settings
+        self._listener = listener or bind_listener(str(s.listen_host), s.listen_port, reuse_port=self._reuse_port)
+        self.metrics.data_plane.labels(self.plane.name).set(1)
+        self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
+        self._flush_task = asyncio.create_task(self._flush_loop(), name="metrics-flush")
+        log.info(
+            "forwarder listening",
+            extra={"event": "listening", "plane": self.plane.name,
+                   "fields": {"address": f"{s.listen_host}:{self.port}", "max_connections": s.max_connections}},
+        )
+
+    def reload(self) -> bool:
+        """Swap in freshly loaded certificates; keep the old ones if loading fails. Live connections
+        keep the context they were accepted with."""
+        try:
+            ctx = server_context(self.settings)
+        except (OSError, ssl.SSLError, ValueError) as e:
+            self.metrics.reloads.labels("failed").inc()
+            log.error("certificate reload failed; keeping the current certificates",
+                      extra={"event": "reload_failed", "reason": type(e).__name__, "fields": {"error": str(e)}})
+            return False
+        self.ctx = ctx
+        self.metrics.reloads.labels("ok").inc()
+        log.info("certificates reloaded", extra={"event": "reloaded"})
+        return True
+
+    async def drain(self, timeout: float | None = None) -> int:
+        """Stop accepting, let live connections finish up to ``timeout``, then cut the rest.
+        Returns how many connections had to be cut."""
+        timeout = self.settings.drain_timeout if timeout is None else timeout
+        self._draining = True
+        if self._accept_task:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener:
+            self._listener.close()
+        log.info("draining", extra={"event": "draining", "fields": {"open": len(self._conns), "timeout": timeout}})
+        cut = 0
+        if self._conns:
+            _, pending = await asyncio.wait(set(self._conns), timeout=timeout)
+            cut = len(pending)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        if self._flush_task:
+            self._flush_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flush_task
+        self._flush_bytes()
+        log.info("drained", extra={"event": "drained", "fields": {"cut": cut}})
+        return cut
+
+    # -- accept ------------------------------------------------------------------------------------
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        backoff = 0.005
+        while True:
+            await self._slots.acquire()
+            try:
+                sock, addr = await loop.sock_accept(self._listener)
+            except OSError as e:
+                self._slots.release()
+                # EMFILE/ENFILE/ENOBUFS: back off instead of spinning; the backlog holds the peers.
+                reason = errno.errorcode.get(e.errno or 0, "oserror")
+                log.warning("accept failed", extra={"event": "accept_error", "reason": reason})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            except BaseException:
+                self._slots.release()
+                raise
+            backoff = 0.005
+            task = asyncio.create_task(self._serve(sock, addr))
+            self._conns.add(task)
+            task.add_done_callback(self._conn_done)
+
+    def _conn_done(self, task: asyncio.Task[None]) -> None:
+        self._conns.discard(task)
+        self._slots.release()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._flush_bytes()
+
+    def _flush_bytes(self) -> None:
+        up, down = self.meter.totals()
+        self.metrics.bytes.labels("up").inc(up - self._flushed[0])
+        self.metrics.bytes.labels("down").inc(down - self._flushed[1])
+        self._flushed = (up, down)
+
+    # -- one connection ----------------------------------------------------------------------------
+
+    async def _serve(self, sock: socket.socket, addr: tuple[str, int]) -> None:
+        conn_id = secrets.token_hex(8)
+        peer = f"{addr[0]}:{addr[1]}"
+        ctx = {"conn_id": conn_id, "peer": peer}
+        self.metrics.open_connections.inc()
+        try:
+            outcome = await self._serve_inner(sock, ctx)
+            self.metrics.connections.labels(outcome).inc()
+        except asyncio.CancelledError:
+            self.metrics.connections.labels(Outcome.DRAINED.value).inc()
+            abort(sock)
+            raise
+        except Exception:
+            self.metrics.connections.labels(Outcome.INTERNAL.value).inc()
+            log.exception("internal error", extra={**ctx, "event": "internal"})
+            abort(sock)
+        finally:
+            self.metrics.open_connections.dec()
+
+    async def _serve_inner(self, sock: socket.socket, ctx: dict[str, str]) -> str:
+        s = self.settings
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link = TlsLink(sock, self.ctx)
+        try:
+            async with asyncio.timeout(s.handshake_timeout):
+                await link.handshake()
+        except (ssl.SSLError, OSError, TimeoutError, RemoteProtocolError) as e:
+            reason = handshake_failure_reason(e)
+            self.metrics.handshake_rejects.labels(reason).inc()
+            log.warning("handshake refused", extra={**ctx, "event": "handshake_refused", "reason": reason})
+            sock.close()
+            return "handshake_refused"
+
+        sans = peer_sans(link.peercert())
+        who = self.acl.first_match(sans)
+        if who is None:
+            self.metrics.handshake_rejects.labels("san_not_allowed").inc()
+            log.warning("peer not on the allowlist", extra={**ctx, "event": "handshake_refused",
+                        "reason": "san_not_allowed", "fields": {"peer_sans": sans[:8]}})
+            await self._finish(link, Status.FORBIDDEN)
+            return "handshake_refused"
+        ctx["client"] = who
+
+        try:
+            preamble, leftover = await self._read_preamble(link)
+        except PreambleError as e:
+            self.metrics.preamble_rejects.labels(e.reason).inc()
+            log.warning("preamble refused", extra={**ctx, "event": "preamble_refused", "reason": e.reason})
+            await self._finish(link, Status.BAD_PREAMBLE)
+            return "bad_preamble"
+        except RemoteProtocolError as e:  # eof, reset or an undecryptable record before the preamble
+            self.metrics.preamble_rejects.labels(e.reason).inc()
+            log.warning("preamble refused", extra={**ctx, "event": "preamble_refused", "reason": e.reason})
+            abort(sock)
+            return "bad_preamble"
+        ctx["sandbox_id"] = preamble.sandbox_id
+        target = f"{preamble.dst}:{preamble.dst_port}"
+        ctx["target"] = target
+
+        try:
+            judge_target(preamble.dst, preamble.dst_port, self.policy)
+        except TargetRefused as e:
+            self.metrics.target_rejects.labels(e.reason).inc()
+            log.warning("target refused", extra={**ctx, "event": "target_refused", "reason": e.reason})
+            await self._finish(link, Status.FORBIDDEN)
+            return "forbidden"
+
+        result = await connect_with_retry(
+            preamble.dst, preamble.dst_port,
+            deadline_s=s.connect_deadline, syn_interval=s.connect_syn_interval,
+            backoff_initial=s.connect_backoff_initial, backoff_cap=s.connect_backoff_cap,
+        )
+        self.metrics.connect_attempts.inc(result.attempts)
+        self.metrics.connect_latency.labels("ok" if result.sock else "failed").observe(result.elapsed)
+        if result.sock is None:
+            log.warning("sandbox not listening", extra={**ctx, "event": "not_listening", "reason": result.last_error,
+                        "fields": {"attempts": result.attempts, "elapsed_ms": round(result.elapsed * 1000, 1)}})
+            await self._finish(link, Status.NOT_LISTENING)
+            return "not_listening"
+
+        upstream = result.sock
+        try:
+            await link.write(push_status(Status.OK))
+        except OSError:
+            abort(upstream)
+            abort(sock)
+            return Outcome.RESET_GATEWAY.value
+        meter = self.meter.open(preamble.sandbox_id, ctx["conn_id"])
+        started = time.monotonic()
+        log.info("connected", extra={**ctx, "event": "connected", "plane": self.plane.name,
+                 "fields": {"attempts": result.attempts, "connect_ms": round(result.elapsed * 1000, 2)}})
+        try:
+            outcome = await self.plane.run(
+                Handoff(link=link, upstream=upstream, leftover=leftover, meter=meter, close_timeout=s.close_timeout)
+            )
+        finally:
+            self.meter.close(meter)
+        log.info("closed", extra={**ctx, "event": "closed", "fields": {
+            "outcome": outcome.value, "bytes_up": meter.up, "bytes_down": meter.down,
+            "seconds": round(time.monotonic() - started, 3)}})
+        return outcome.value
+
+    async def _read_preamble(self, link: TlsLink) -> tuple[Preamble, bytes]:
+        s = self.settings
+        buf = b""
+        try:
+            async with asyncio.timeout(s.preamble_timeout):
+                while True:
+                    record = await link.read_app_record()
+                    if not record:
+                        raise PreambleError("eof", f"after {len(buf)} bytes")
+                    buf += record
+                    parsed = pull_preamble(buf, max_len=s.preamble_max_bytes)
+                    if parsed is not None:
+                        preamble, used = parsed
+                        return preamble, buf[used:]
+        except TimeoutError:
+            raise PreambleError("timeout", f"{len(buf)} bytes in {s.preamble_timeout}s") from None
+        except ssl.SSLError as e:
+            raise RemoteProtocolError("tls_error", e.reason or "") from None
+        except OSError as e:
+            raise RemoteProtocolError("reset", e.strerror or "") from None
+
+    async def _finish(self, link: TlsLink, status: Status) -> None:
+        """Tell the gateway why, then close (best effort: the peer may already be gone)."""
+        try:
+            async with asyncio.timeout(1.0):
+                await link.write(push_status(status))
+                with contextlib.suppress(ssl.SSLError):
+                    link.ssl.unwrap()
+                await asyncio.get_running_loop().sock_sendall(link.sock, link.outgoing.read())
+        except (OSError, TimeoutError, ssl.SSLError):
+            pass
+        link.sock.close()

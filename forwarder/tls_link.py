@@ -1,0 +1,113 @@
+"""The gateway link's TLS, driven over memory BIOs so that we, not OpenSSL, decide what is read.
+
+Until the data plane takes over, the socket is read one TLS record at a time (5-byte header, then
+exactly its body). Nothing is ever buffered inside the TLS library when the handshake and preamble
+phase ends, and we know exactly how many records were consumed and produced under the application
+traffic keys: the record sequence numbers a kernel TLS socket must start from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+
+from sbxnet.errors import RemoteProtocolError
+
+RECORD_HEADER_LEN = 5
+# TLS 1.3 ciphertext limit: 2^14 + 256 (RFC 8446 5.2).
+MAX_RECORD_BODY = 16384 + 256
+CT_APPLICATION_DATA = 23
+
+
+class LinkClosed(RemoteProtocolError):
+    """The peer closed or reset the TCP connection."""
+
+
+async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise LinkClosed("eof", f"after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+class TlsLink:
+    """A server-side TLS session over ``sock`` (non-blocking). Not thread-safe; one task drives it."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
+        self.sock = sock
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.ssl = ctx.wrap_bio(self.incoming, self.outgoing, server_side=True)
+        self.rx_app_records = 0  # application-key records fed to OpenSSL after the handshake
+        self.tx_app_records = 0  # application-key records OpenSSL produced after the handshake
+        self._loop = asyncio.get_running_loop()
+
+    async def _flush(self) -> None:
+        data = self.outgoing.read()
+        if data:
+            await self._loop.sock_sendall(self.sock, data)
+
+    async def read_record(self) -> bytes:
+        """Exactly one TLS record (header + body) from the socket."""
+        header = await recv_exact(self._loop, self.sock, RECORD_HEADER_LEN)
+        length = int.from_bytes(header[3:5], "big")
+        if length > MAX_RECORD_BODY:
+            raise RemoteProtocolError("record_too_long", f"{length} bytes")
+        return header + await recv_exact(self._loop, self.sock, length)
+
+    async def handshake(self) -> None:
+        """Complete the handshake; on failure send OpenSSL's alert before raising."""
+        while True:
+            try:
+                self.ssl.do_handshake()
+            except ssl.SSLWantReadError:
+                await self._flush()
+                self.incoming.write(await self.read_record())
+                continue
+            except ssl.SSLError:
+                try:
+                    await asyncio.wait_for(self._flush(), 0.5)
+                except (OSError, TimeoutError):
+                    pass
+                raise
+            await self._flush()
+            return
+
+    async def read_app_record(self) -> bytes:
+        """Plaintext of the next application record (b"" on close_notify), one socket record at a time.
+
+        Post-handshake handshake messages are not expected from a gateway; OpenSSL consumes them
+        inside ``read`` and we count the record, so the count stays the record sequence number.
+        """
+        while True:
+            record = await self.read_record()
+            self.incoming.write(record)
+            self.rx_app_records += 1
+            try:
+                data = self.ssl.read(MAX_RECORD_BODY)
+            except ssl.SSLWantReadError:
+                continue  # a record with no application data (e.g. a post-handshake message)
+            except ssl.SSLZeroReturnError:
+                return b""
+            if data:
+                return data
+
+    async def write(self, data: bytes) -> None:
+        before = self.outgoing.pending
+        self.ssl.write(data)
+        # Each write of up to 16 KiB is one record; larger writes are split by OpenSSL.
+        self.tx_app_records += max(1, -(-len(data) // 16384)) if self.outgoing.pending > before else 0
+        await self._flush()
+
+    def peercert(self) -> dict[str, object] | None:
+        cert = self.ssl.getpeercert()
+        return dict(cert) if cert else None
+
+    @property
+    def cipher(self) -> str:
+        c = self.ssl.cipher()
+        return c[0] if c else ""

@@ -1,0 +1,364 @@
+"""Real peers for forwarder tests: a gateway-like TLS client, sandbox apps, a forwarder in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import os
+import random
+import selectors
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from certs.mint import Issued, mint_ca, mint_leaf, write_issued
+from sbxnet.protocol.preamble import Preamble, push_preamble
+from sbxnet.protocol.status import Status, pull_status
+
+TRUST_DOMAIN = "sbxnet.test"
+GATEWAY_URI = f"spiffe://{TRUST_DOMAIN}/gateway"
+
+
+# -- certificates -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Pki:
+    dir: Path
+    ca: Issued
+    paths: dict[str, tuple[Path, Path]] = field(default_factory=dict)
+
+    @property
+    def ca_file(self) -> Path:
+        return self.dir / "ca.crt"
+
+    def client_ctx(self, stem: str | None = "gateway", *, tls12_only: bool = False) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.load_verify_locations(cafile=str(self.ca_file))
+        if stem:
+            cert, key = self.paths[stem]
+            ctx.load_cert_chain(str(cert), str(key))
+        if tls12_only:
+            ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
+
+
+def make_pki(directory: Path) -> Pki:
+    import datetime as dt
+
+    ca = mint_ca("sbxnet test CA")
+    write_issued(ca, directory, "ca")
+    pki = Pki(directory, ca)
+
+    def leaf(stem: str, issuer: Issued, **kw: Any) -> None:
+        pki.paths[stem] = write_issued(mint_leaf(issuer, stem, **kw), directory, stem)
+
+    leaf("forwarder", ca, dns=("localhost",), ips=("127.0.0.1", "::1"), server=True)
+    leaf("gateway", ca, uris=(GATEWAY_URI,), server=False, client=True)
+    leaf("intruder", ca, uris=(f"spiffe://{TRUST_DOMAIN}/intruder",), server=False, client=True)
+    old = dt.datetime.now(dt.UTC) - dt.timedelta(days=30)
+    leaf("expired", ca, uris=(GATEWAY_URI,), server=False, client=True, days=1, not_before=old)
+    other = mint_ca("some other CA")
+    leaf("foreign", other, uris=(GATEWAY_URI,), server=False, client=True)
+    return pki
+
+
+# -- the gateway side -------------------------------------------------------------------------------
+
+
+class GwClient:
+    """A gateway-like client over memory BIOs (so it can half-close: close_notify then FIN)."""
+
+    def __init__(self, port: int, ctx: ssl.SSLContext, *, host: str = "127.0.0.1", timeout: float = 30) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.inc, self.out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = ctx.wrap_bio(self.inc, self.out, server_hostname="localhost")
+        self.plain = bytearray()
+        self.eof = False
+
+    def _flush(self) -> None:
+        data = self.out.read()
+        if data:
+            self.sock.sendall(data)
+
+    def handshake(self) -> None:
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                data = self.sock.recv(65536)
+                if not data:
+                    raise ConnectionAbortedError("eof during handshake") from None
+                self.inc.write(data)
+        self._flush()
+
+    def send(self, data: bytes) -> None:
+        self.tls.write(data)
+        self._flush()
+
+    def _decrypt_all(self) -> None:
+        while True:
+            try:
+                chunk = self.tls.read(1 << 16)
+            except ssl.SSLWantReadError:
+                return
+            except ssl.SSLZeroReturnError:
+                self.eof = True
+                return
+            if not chunk:
+                self.eof = True
+                return
+            self.plain += chunk
+
+    def fill(self) -> bool:
+        """One socket read, every complete record decrypted. False at end of stream."""
+        data = self.sock.recv(1 << 18)
+        if not data:
+            self.eof = True
+            return False
+        self.inc.write(data)
+        self._decrypt_all()
+        self._flush()
+        return not self.eof
+
+    def recv_exact(self, n: int) -> bytes:
+        while len(self.plain) < n:
+            if self.eof or not self.fill():
+                raise EOFError(f"eof after {len(self.plain)} of {n} bytes")
+        out = bytes(self.plain[:n])
+        del self.plain[:n]
+        return out
+
+    def recv_all(self) -> bytes:
+        while not self.eof and self.fill():
+            pass
+        out = bytes(self.plain)
+        self.plain.clear()
+        return out
+
+    def open(self, preamble: bytes) -> Status:
+        self.handshake()
+        self.send(preamble)
+        raw = self.recv_exact(4)
+        parsed = pull_status(raw)
+        assert parsed is not None
+        return parsed[0]
+
+    def close_write(self) -> None:
+        try:
+            self.tls.unwrap()
+        except ssl.SSLWantReadError:
+            pass
+        self._flush()
+        self.sock.shutdown(socket.SHUT_WR)
+
+    def abort(self) -> None:
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def exchange(self, payload: bytes, *, chunk: int = 1 << 16) -> bytes:
+        """Send ``payload`` then close_notify+FIN while receiving until the far end's end of stream."""
+        self.sock.setblocking(False)
+        sel = selectors.DefaultSelector()
+        pending = b""
+        offset = 0
+        wrote_eof = False
+        received = hashlib.sha256()
+        received_len = 0
+        try:
+            while True:
+                if not pending and offset < len(payload):
+                    self.tls.write(payload[offset : offset + chunk])
+                    offset += chunk
+                    pending = self.out.read()
+                if not pending and offset >= len(payload) and not wrote_eof:
+                    try:
+                        self.tls.unwrap()
+                    except ssl.SSLWantReadError:
+                        pass
+                    pending = self.out.read()
+                    wrote_eof = True
+                if wrote_eof and not pending and self.sock.fileno() >= 0:
+                    try:
+                        self.sock.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass
+                events = selectors.EVENT_READ | (selectors.EVENT_WRITE if pending else 0)
+                sel.register(self.sock, events)
+                ready = sel.select(timeout=30)
+                sel.unregister(self.sock)
+                if not ready:
+                    raise TimeoutError("exchange stalled for 30 s")
+                for _, mask in ready:
+                    if mask & selectors.EVENT_WRITE and pending:
+                        try:
+                            n = self.sock.send(pending)
+                        except BlockingIOError:
+                            n = 0
+                        pending = pending[n:]
+                    if mask & selectors.EVENT_READ:
+                        try:
+                            data = self.sock.recv(1 << 18)
+                        except BlockingIOError:
+                            continue
+                        if not data:
+                            self.eof = True
+                        else:
+                            self.inc.write(data)
+                            self._decrypt_all()
+                        received.update(self.plain)
+                        received_len += len(self.plain)
+                        self.plain.clear()
+                if self.eof and wrote_eof and not pending:
+                    break
+        finally:
+            sel.close()
+            self.sock.setblocking(True)
+        self.received_len = received_len
+        return received.digest()
+
+
+def preamble_for(port: int, sandbox_id: str = "sbx-1", dst: str = "127.0.0.1", **kw: Any) -> bytes:
+    return push_preamble(
+        Preamble(
+            src=ipaddress.ip_address("203.0.113.7"), src_port=40000, dst=ipaddress.ip_address(dst),
+            dst_port=port, sandbox_id=sandbox_id, **kw,
+        )
+    )
+
+
+# -- sandbox apps -----------------------------------------------------------------------------------
+
+
+def payload(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+class SandboxApp:
+    """A TCP server on loopback running ``handler(conn)`` per connection in a thread."""
+
+    def __init__(self, handler: Callable[[socket.socket], None], *, port: int = 0, listen: bool = True) -> None:
+        self.handler = handler
+        self.accepted = 0
+        self.errors: list[BaseException] = []
+        self.results: list[Any] = []
+        self._lsock: socket.socket | None = None
+        self.port = port
+        self._threads: list[threading.Thread] = []
+        if listen:
+            self.listen()
+        elif port == 0:
+            self.port = free_port()
+
+    def listen(self) -> None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(64)
+        self.port = s.getsockname()[1]
+        self._lsock = s
+        self.listened_at = time.monotonic()
+        t = threading.Thread(target=self._accept_loop, daemon=True)
+        t.start()
+
+    def _accept_loop(self) -> None:
+        assert self._lsock is not None
+        while True:
+            try:
+                conn, _ = self._lsock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            t = threading.Thread(target=self._run, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _run(self, conn: socket.socket) -> None:
+        try:
+            self.handler(conn)
+        except BaseException as e:  # recorded for the test to assert on
+            self.errors.append(e)
+        finally:
+            conn.close()
+
+    def join(self, timeout: float = 30) -> None:
+        for t in list(self._threads):
+            t.join(timeout)
+
+    def close(self) -> None:
+        if self._lsock:
+            self._lsock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def recv_all(conn: socket.socket) -> tuple[bytes, int]:
+    h = hashlib.sha256()
+    total = 0
+    while True:
+        data = conn.recv(1 << 18)
+        if not data:
+            return h.digest(), total
+        h.update(data)
+        total += len(data)
+
+
+# -- the forwarder under test, in a thread with its own event loop -----------------------------------
+
+
+class ForwarderThread:
+    def __init__(self, settings: Any) -> None:
+        import uvloop
+
+        from forwarder.server import ForwarderServer, bind_listener
+
+        self.loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.listener = bind_listener("127.0.0.1", 0, reuse_port=False)
+
+        async def build() -> ForwarderServer:
+            server = ForwarderServer(settings)
+            await server.start(self.listener)
+            return server
+
+        self.server = self.call(build())
+        self.port = self.server.port
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.server.metrics.registry.get_sample_value(name, labels or {})
+        return float(value or 0.0)
+
+    def wait_idle(self, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while self.server.open_connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.call(self.server.drain(1.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+def open_fds() -> set[int]:
+    return {int(x) for x in os.listdir("/proc/self/fd")}
