@@ -1,0 +1,115 @@
+"""The contract shared by the C packet core (``native/egress_core.c``) and its Python reference.
+
+Status codes are the C ones (``EG_*``): ``>= 0`` success, ``< 0`` a refusal whose metrics token is
+``REASONS[code]``. Addresses are ints in host order (``int(ipaddress.IPv4Address(...))``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sbxnet.errors import LocalProtocolError
+
+VNET_HDR_LEN = 10
+PREFIX_LEN = 22  # VXLAN header (8) + inner Ethernet header (14) before every wire packet
+VXLAN_PORT = 4789
+UDP_MAX_PAYLOAD_V4 = 65507  # most bytes one UDP send over IPv4 can carry
+UDP_MAX_SEGMENTS = 64  # Linux 6.1's UDP_MAX_SEGMENTS (128 from 6.9); the daemon may raise it
+
+OK = 0
+MERGED = 1
+ARP = 2
+ERR_SHORT = -1
+ERR_IP = -2
+ERR_LEN = -3
+ERR_GSO = -4
+ERR_CSUM = -5
+ERR_L4 = -6
+ERR_ICMP = -7
+ERR_SIZE = -8
+ERR_SPACE = -9
+ERR_VXLAN = -10
+ERR_VNI = -11
+ERR_ETHERTYPE = -12
+
+REASONS: dict[int, str] = {
+    ERR_SHORT: "short",
+    ERR_IP: "bad_ip_header",
+    ERR_LEN: "bad_ip_length",
+    ERR_GSO: "bad_gso",
+    ERR_CSUM: "bad_csum_request",
+    ERR_L4: "bad_l4_header",
+    ERR_ICMP: "bad_icmp_quote",
+    ERR_SIZE: "size",
+    ERR_SPACE: "no_space",
+    ERR_VXLAN: "vxlan_flags",
+    ERR_VNI: "vxlan_vni",
+    ERR_ETHERTYPE: "ethertype",
+}
+
+
+def vxlan_eth_prefix(vni: int, dst_mac: bytes, src_mac: bytes) -> bytes:
+    """The 22 bytes put before every wire packet: VXLAN (I flag, ``vni``) + Ethernet (``dst_mac`` =
+    the exit gateway, ``src_mac`` = this router, type IPv4). Raises ``LocalProtocolError`` on bad input."""
+    if not 0 <= vni < 1 << 24:
+        raise LocalProtocolError("vni", f"{vni} outside 0..2^24-1")
+    if len(dst_mac) != 6 or len(src_mac) != 6:
+        raise LocalProtocolError("mac", "MAC addresses are 6 bytes")
+    return b"\x08\x00\x00\x00" + vni.to_bytes(3, "big") + b"\x00" + bytes(dst_mac) + bytes(src_mac) + b"\x08\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class OutParams:
+    """Per claim/exit settings for outbound segmentation (see ``struct eg_out_params``).
+
+    ``mtu`` bounds every inner IPv4 packet put on the wire; ``max_segs`` the wire packets one frame may
+    become (0: no limit); ``max_gso_segs``/``max_send_bytes`` how many records and bytes one send holds.
+    """
+
+    claim: int
+    prefix: bytes
+    mtu: int = 1500
+    max_segs: int = 128
+    max_gso_segs: int = UDP_MAX_SEGMENTS
+    max_send_bytes: int = UDP_MAX_PAYLOAD_V4
+
+    def __post_init__(self) -> None:
+        if len(self.prefix) != PREFIX_LEN:
+            raise LocalProtocolError("prefix", f"{len(self.prefix)} bytes, need {PREFIX_LEN}")
+        for name in ("claim", "mtu", "max_segs", "max_gso_segs", "max_send_bytes"):
+            v = getattr(self, name)
+            if not 0 <= v < 1 << 32:
+                raise LocalProtocolError(name, f"{v} does not fit u32")
+
+
+@dataclass(frozen=True, slots=True)
+class SegInfo:
+    packets: int  # wire packets (records)
+    bytes: int  # bytes written, prefixes included
+    stride: int  # every record but the last is exactly this long
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """One ``sendmsg``: ``count`` records at ``off``, each ``seg`` bytes but the last; UDP_SEGMENT = seg."""
+
+    off: int
+    len: int
+    seg: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutResult:
+    status: int
+    packets: int
+    off: int
+    len: int
+
+
+@dataclass(frozen=True, slots=True)
+class InResult:
+    status: int
+    dst: int
+    off: int
+    len: int
