@@ -1,0 +1,168 @@
+"""Python face of the C splice pump (``native/splice_pump.c``).
+
+The pump moves bytes both ways between a gateway socket (plain TCP, or TCP with kernel TLS installed)
+and a sandbox socket with splice(2), in its own threads: no Python code runs per chunk. Python hands a
+pair over with :meth:`SplicePump.add` (the pump owns both descriptors from then on), may read exact
+per-connection counters at any time, and learns that a connection finished when :attr:`event_fd`
+becomes readable and :meth:`take_events` returns its :class:`PumpEvent` (final, exact byte counts).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# Capacity of each direction's pipe. A kernel-TLS read must find room for a whole record (see the C
+# file), and a larger pipe means fewer calls per byte on plain TCP.
+DEFAULT_PIPE_SIZE = 1 << 20
+
+
+class PumpOutcome(enum.IntEnum):
+    CLOSED = 0
+    RESET_GATEWAY = 1
+    RESET_SANDBOX = 2
+    CLOSE_TIMEOUT = 3
+    TLS_ERROR = 4
+    ABORTED = 5
+    INTERNAL = 6
+
+
+# Stable reason tokens, indexed by the C SP_R_* codes.
+REASONS = (
+    "none",
+    "eof",
+    "reset",
+    "timeout",
+    "tls_decrypt_error",
+    "tls_key_update",
+    "tls_alert",
+    "tls_unexpected_record",
+    "tls_bad_record",
+    "abort",
+    "abort_reset",
+    "internal",
+)
+
+EV_GW_CLOSE_NOTIFY = 0x1
+EV_GW_FIN = 0x2
+EV_SB_EOF = 0x4
+EV_SENT_CLOSE_NOTIFY = 0x8
+
+
+@dataclass(frozen=True)
+class PumpEvent:
+    conn_id: int
+    outcome: PumpOutcome
+    reason: str
+    bytes_up: int  # gateway -> sandbox, delivered
+    bytes_down: int  # sandbox -> gateway, delivered
+    err: int  # errno behind the reason, 0 if none
+    flags: int  # EV_* bits: how each side ended
+
+
+@dataclass(frozen=True)
+class PumpStats:
+    added: int
+    finished: int
+    active: int
+    bytes_up: int
+    bytes_down: int
+    splice_calls: int
+    control_records: int
+
+
+def _lib() -> tuple[Any, Any]:
+    from native._splice import ffi, lib  # type: ignore[import-not-found,unused-ignore]
+
+    return ffi, lib
+
+
+class SplicePump:
+    """A running pump: ``threads`` worker threads, at most ``max_conns`` connections at once.
+
+    Not safe to share between event loops; call every method from one thread. ``close()`` stops the
+    threads and closes every descriptor the pump still owns (with a reset, no events).
+    """
+
+    def __init__(self, threads: int = 1, max_conns: int = 4096, pipe_size: int = DEFAULT_PIPE_SIZE) -> None:
+        self._ffi, self._lib = _lib()
+        err = self._ffi.new("char[]", 256)
+        p = self._lib.sp_new(threads, max_conns, pipe_size, err, 256)
+        if p == self._ffi.NULL:
+            raise OSError(f"splice pump: {self._ffi.string(err).decode()}")
+        self._p: Any = p
+        self._events = self._ffi.new("struct sp_event[]", 256)
+        self._u64 = self._ffi.new("uint64_t[2]")
+
+    @property
+    def event_fd(self) -> int:
+        """Readable while finished-connection events wait in :meth:`take_events`."""
+        return int(self._lib.sp_event_fd(self._live()))
+
+    def _live(self) -> Any:
+        if self._p is None:
+            raise ValueError("splice pump is closed")
+        return self._p
+
+    def add(self, gateway_fd: int, sandbox_fd: int, *, ktls: bool = False, close_timeout: float = 30.0) -> int:
+        """Hand a connected, non-blocking pair to the pump; returns the connection id.
+
+        On success the pump owns both descriptors (the caller must forget them: detach, never close).
+        ``ktls``: the gateway fd has kernel TLS TX and RX installed; the pump then reads its non-data
+        records itself and ends its direction with close_notify. ``close_timeout`` (seconds) bounds the
+        wait for the remaining direction once one direction has ended. Raises OSError and leaves the
+        descriptors with the caller if the pump cannot take them.
+        """
+        ms = max(1, min(int(close_timeout * 1000), 0xFFFFFFFF))
+        r = self._lib.sp_add(self._live(), gateway_fd, sandbox_fd, 1 if ktls else 0, ms)
+        if r < 0:
+            raise OSError(-r, f"splice pump add: {os.strerror(-r)}")
+        return int(r)
+
+    def counters(self, conn_id: int) -> tuple[int, int] | None:
+        """(bytes_up, bytes_down) delivered so far, or None once the connection has finished."""
+        if self._lib.sp_counters(self._live(), conn_id, self._u64, self._u64 + 1) < 0:
+            return None
+        return int(self._u64[0]), int(self._u64[1])
+
+    def take_events(self) -> list[PumpEvent]:
+        """Every finished connection's event not yet taken, oldest first (resets :attr:`event_fd`)."""
+        out: list[PumpEvent] = []
+        while True:
+            n = self._lib.sp_take_events(self._live(), self._events, 256)
+            for i in range(n):
+                e = self._events[i]
+                reason = REASONS[e.reason] if 0 <= e.reason < len(REASONS) else "internal"
+                out.append(
+                    PumpEvent(
+                        int(e.id), PumpOutcome(e.outcome), reason, int(e.bytes_up), int(e.bytes_down),
+                        int(e.err), int(e.flags),
+                    )
+                )
+            if n < 256:
+                return out
+
+    def abort(self, conn_id: int, *, reset: bool = False) -> bool:
+        """Ask the pump to end a connection (with a TCP reset both ways if ``reset``); False if gone."""
+        return int(self._lib.sp_abort(self._live(), conn_id, 1 if reset else 0)) == 0
+
+    def stats(self) -> PumpStats:
+        s = self._ffi.new("struct sp_stats *")
+        self._lib.sp_get_stats(self._live(), s)
+        return PumpStats(
+            int(s.added), int(s.finished), int(s.active), int(s.bytes_up), int(s.bytes_down),
+            int(s.splice_calls), int(s.control_records),
+        )
+
+    def close(self) -> None:
+        if self._p is not None:
+            p, self._p = self._p, None
+            self._lib.sp_free(p)
+
+    def __enter__(self) -> SplicePump:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

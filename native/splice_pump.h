@@ -1,0 +1,83 @@
+/* The splice pump: moves bytes both ways between connection pairs with splice(2), in its own threads.
+ *
+ * Python hands over a (gateway fd, sandbox fd) pair once; from then on the pump owns both descriptors
+ * and does every read, write, half-close, reset and (on a kernel-TLS gateway socket) control record
+ * itself. Python reads exact per-connection counters whenever it likes and learns of each finished
+ * connection through an eventfd plus sp_take_events(). No Python code runs per chunk. */
+#ifndef SBXNET_SPLICE_PUMP_H
+#define SBXNET_SPLICE_PUMP_H
+
+#include <stdint.h>
+
+/* Flags for sp_add(). */
+#define SP_GW_KTLS 0x1u /* the gateway fd has kernel TLS TX and RX installed */
+
+/* Outcomes (sp_event.outcome); forwarder/splice_pump.py names them. */
+#define SP_OUT_CLOSED 0        /* both directions ended with an orderly end of stream */
+#define SP_OUT_RESET_GATEWAY 1 /* the gateway side reset or failed; the sandbox was reset */
+#define SP_OUT_RESET_SANDBOX 2 /* the sandbox side reset or failed; the gateway was reset */
+#define SP_OUT_CLOSE_TIMEOUT 3 /* one direction ended, the other did not within the close timeout */
+#define SP_OUT_TLS_ERROR 4     /* a record failed to decrypt, or a TLS record we refuse */
+#define SP_OUT_ABORTED 5       /* sp_abort() or sp_free() */
+#define SP_OUT_INTERNAL 6      /* a local error (pipe, epoll) */
+
+/* Reasons (sp_event.reason): finer than the outcome, stable tokens in Python. */
+#define SP_R_NONE 0
+#define SP_R_EOF 1              /* both directions ended */
+#define SP_R_RESET 2            /* ECONNRESET / EPIPE / socket error on that side */
+#define SP_R_TIMEOUT 3
+#define SP_R_TLS_DECRYPT 4      /* EBADMSG: a record failed authentication */
+#define SP_R_TLS_KEY_UPDATE 5   /* a KeyUpdate handshake message from the gateway */
+#define SP_R_TLS_ALERT 6        /* an alert other than close_notify */
+#define SP_R_TLS_UNEXPECTED 7   /* any other non-data record */
+#define SP_R_TLS_RECORD 8       /* the kernel refused the record (EMSGSIZE, EINVAL on recvmsg) */
+#define SP_R_ABORT 9
+#define SP_R_ABORT_RESET 10
+#define SP_R_INTERNAL 11
+
+struct sp_event {
+    uint64_t id;
+    uint64_t bytes_up;   /* gateway -> sandbox, delivered to the sandbox socket */
+    uint64_t bytes_down; /* sandbox -> gateway, delivered to the gateway socket */
+    int32_t outcome;
+    int32_t reason;
+    int32_t err;         /* errno behind the reason, 0 if none */
+    uint32_t flags;      /* SP_EV_* */
+};
+
+#define SP_EV_GW_CLOSE_NOTIFY 0x1u /* the gateway ended its direction with close_notify */
+#define SP_EV_GW_FIN 0x2u          /* the gateway ended its direction with a bare FIN */
+#define SP_EV_SB_EOF 0x4u          /* the sandbox ended its direction */
+#define SP_EV_SENT_CLOSE_NOTIFY 0x8u
+
+struct sp_stats {
+    uint64_t added;
+    uint64_t finished;
+    uint64_t active;
+    uint64_t bytes_up;   /* finished + live connections */
+    uint64_t bytes_down;
+    uint64_t splice_calls;
+    uint64_t control_records; /* non-data records read with recvmsg on kTLS sockets */
+};
+
+typedef struct sp_pump sp_pump;
+
+/* threads >= 1, max_conns >= 1, pipe_size in bytes (0 = the kernel's default). On failure returns
+ * NULL and writes a message into errbuf. */
+sp_pump *sp_new(int threads, int max_conns, int pipe_size, char *errbuf, int errlen);
+/* Readable (eventfd semantics) whenever events are waiting. */
+int sp_event_fd(sp_pump *p);
+/* Takes ownership of both fds (non-blocking, connected) on success: returns an id >= 0. On failure
+ * returns -errno and the caller still owns the fds. close_timeout_ms applies once one direction ended. */
+int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_timeout_ms);
+/* Exact counters of a live connection: 0, or -ENOENT once it finished (its event carries the totals). */
+int sp_counters(sp_pump *p, uint64_t id, uint64_t *up, uint64_t *down);
+/* Copies up to max finished-connection events, oldest first; returns how many. */
+int sp_take_events(sp_pump *p, struct sp_event *out, int max);
+/* Asks the owning thread to end a connection (reset != 0: with a TCP reset both ways). 0 or -ENOENT. */
+int sp_abort(sp_pump *p, uint64_t id, int reset);
+void sp_get_stats(sp_pump *p, struct sp_stats *out);
+/* Stops the threads and closes every descriptor still owned (no events for those). */
+void sp_free(sp_pump *p);
+
+#endif
