@@ -7,6 +7,7 @@ come and go as taps are created).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -58,5 +59,9 @@ def host_addresses() -> frozenset[IPAddress]:
     """
     try:
         return _from_netlink()
-    except Exception:  # pyroute2 missing, netlink refused (NetlinkError is not an OSError)
+    except Exception as e:  # pyroute2 missing, netlink refused (NetlinkError is not an OSError)
+        logging.getLogger("sbxnet.forwarder").warning(
+            "netlink address listing failed; the host-address guard falls back to name resolution",
+            extra={"event": "host_addrs_fallback", "reason": type(e).__name__},
+        )
         return _from_socket()

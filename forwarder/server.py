@@ -18,7 +18,7 @@ import ssl
 import time
 
 from forwarder.connect import connect_with_retry
-from forwarder.host_addrs import host_addresses
+from forwarder.host_addrs import IPAddress, host_addresses
 from forwarder.metering import Meter
 from forwarder.metrics import ForwarderMetrics
 from forwarder.planes import DataPlane, Handoff, Outcome, abort
@@ -32,6 +32,7 @@ from sbxnet.protocol.preamble import Preamble, PreambleError, pull_preamble
 from sbxnet.protocol.status import Status, push_status
 
 log = logging.getLogger("sbxnet.forwarder")
+HOST_ADDRESS_REFRESH_S = 10
 
 
 class ListenError(SbxnetError):
@@ -87,11 +88,7 @@ class ForwarderServer:
         self.plane = plane or make_plane(settings)
         self.ctx = server_context(settings)
         self.acl = SanAllowlist(tuple(settings.client_san_allow))
-        self.policy = TargetPolicy(
-            prefixes=tuple(settings.sandbox_prefixes),
-            allow=tuple(settings.allow_targets),
-            host_addresses=host_addresses(),
-        )
+        self.policy = self._policy(frozenset())
         self.meter = Meter()
         self._reuse_port = reuse_port
         self._listener: socket.socket | None = None
@@ -101,6 +98,14 @@ class ForwarderServer:
         self._slots = asyncio.Semaphore(settings.max_connections)
         self._draining = False
         self._flushed = (0, 0)
+
+    def _policy(self, addresses: frozenset[IPAddress]) -> TargetPolicy:
+        s = self.settings
+        return TargetPolicy(prefixes=tuple(s.sandbox_prefixes), allow=tuple(s.allow_targets), host_addresses=addresses)
+
+    async def refresh_host_addresses(self) -> None:
+        # Netlink from a thread: pyroute2 runs its own event loop, which must not be this one.
+        self.policy = self._policy(await asyncio.to_thread(host_addresses))
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -119,6 +124,7 @@ class ForwarderServer:
 
     async def start(self, listener: socket.socket | None = None) -> None:
         s = self.settings
+        await self.refresh_host_addresses()
         self._listener = listener or bind_listener(str(s.listen_host), s.listen_port, reuse_port=self._reuse_port)
         self.metrics.data_plane.labels(self.plane.name).set(1)
         self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
@@ -203,9 +209,14 @@ class ForwarderServer:
         self._slots.release()
 
     async def _flush_loop(self) -> None:
+        tick = 0
         while True:
             await asyncio.sleep(1.0)
             self._flush_bytes()
+            tick += 1
+            if tick % HOST_ADDRESS_REFRESH_S == 0:
+                # Addresses come and go (taps, VIPs); the guard must refuse the current ones.
+                await self.refresh_host_addresses()
 
     def _flush_bytes(self) -> None:
         up, down = self.meter.totals()

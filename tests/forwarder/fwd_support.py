@@ -132,8 +132,9 @@ class GwClient:
 
     def recv_exact(self, n: int) -> bytes:
         while len(self.plain) < n:
-            if self.eof or not self.fill():
+            if self.eof:
                 raise EOFError(f"eof after {len(self.plain)} of {n} bytes")
+            self.fill()
         out = bytes(self.plain[:n])
         del self.plain[:n]
         return out

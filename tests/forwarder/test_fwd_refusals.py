@@ -1,0 +1,177 @@
+"""Everything the forwarder refuses: who may connect, what they may send, where they may go."""
+
+from __future__ import annotations
+
+import ssl
+import time
+
+import pytest
+from fwd_support import ForwarderThread, GwClient, Pki, SandboxApp, open_fds, preamble_for
+
+from sbxnet.protocol.status import Status
+
+
+def _never(conn: object) -> None:
+    raise AssertionError("the sandbox must not be reached")
+
+
+# -- mutual TLS ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stem", "tls12", "reason"),
+    [
+        ("foreign", False, "unknown_ca"),
+        ("expired", False, "cert_expired"),
+        (None, False, "no_client_cert"),
+        ("gateway", True, "protocol_version"),
+    ],
+)
+def test_handshake_refusals(
+    forwarder: ForwarderThread, pki: Pki, stem: str | None, tls12: bool, reason: str
+) -> None:
+    app = SandboxApp(_never)
+    client = GwClient(forwarder.port, pki.client_ctx(stem, tls12_only=tls12))
+    with pytest.raises((ssl.SSLError, ConnectionError, EOFError)):
+        # TLS 1.3 clients finish before the server judges their certificate: the refusal shows on
+        # the first read.
+        client.open(preamble_for(app.port))
+    client.close()
+    forwarder.wait_idle()
+    assert forwarder.sample("sbxnet_forwarder_handshake_rejects_total", {"reason": reason}) == 1
+    assert app.accepted == 0
+
+
+def test_san_not_on_allowlist(forwarder: ForwarderThread, pki: Pki) -> None:
+    app = SandboxApp(_never)
+    client = GwClient(forwarder.port, pki.client_ctx("intruder"))
+    assert client.open(preamble_for(app.port)) is Status.FORBIDDEN
+    client.close()
+    forwarder.wait_idle()
+    assert forwarder.sample("sbxnet_forwarder_handshake_rejects_total", {"reason": "san_not_allowed"}) == 1
+    assert app.accepted == 0
+
+
+def test_star_segment_allowlist(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    fwd = make_forwarder(client_san_allow=["spiffe://sbxnet.test/*"])
+    app = SandboxApp(lambda conn: None)
+    client = GwClient(fwd.port, pki.client_ctx("intruder"))
+    assert client.open(preamble_for(app.port)) is Status.OK
+    client.close()
+
+
+# -- preamble --------------------------------------------------------------------------------------
+
+
+def test_bad_preambles_refused_without_connect(forwarder: ForwarderThread, pki: Pki) -> None:
+    app = SandboxApp(_never)
+    good = preamble_for(app.port)
+    bad = [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        good[:12] + b"\x20" + good[13:],  # LOCAL command
+        good[:13] + b"\x12" + good[14:],  # UDP
+        good[:14] + (600).to_bytes(2, "big") + good[16:],  # longer than the 512-byte bound
+        good[:-3] + b"a/b",  # sandbox ID with a character outside the set
+    ]
+    for data in bad:
+        client = GwClient(forwarder.port, pki.client_ctx())
+        assert client.open(data) is Status.BAD_PREAMBLE
+        client.close()
+    forwarder.wait_idle()
+    assert app.accepted == 0
+    total = sum(
+        s.value for m in forwarder.server.metrics.registry.collect() if m.name == "sbxnet_forwarder_preamble_rejects"
+        for s in m.samples if s.name.endswith("_total")
+    )
+    assert total == len(bad)
+
+
+def test_preamble_dripped_one_byte_per_second_is_cut_at_the_timeout(forwarder: ForwarderThread, pki: Pki) -> None:
+    app = SandboxApp(_never)
+    client = GwClient(forwarder.port, pki.client_ctx())
+    client.handshake()
+    data = preamble_for(app.port)
+    t0 = time.monotonic()
+    status = None
+    for i in range(len(data)):
+        try:
+            client.send(data[i : i + 1])
+        except OSError:
+            break
+        client.sock.settimeout(1.0)
+        try:
+            client.fill()
+        except TimeoutError:
+            continue  # nothing back within a second: drip the next byte
+        if len(client.plain) >= 4:
+            status = bytes(client.plain[:4])
+            break
+        if client.eof:
+            break
+    elapsed = time.monotonic() - t0
+    assert status == b"SX\x01\x03"  # BAD_PREAMBLE
+    assert 1.8 < elapsed < 3.5
+    forwarder.wait_idle()
+    assert forwarder.sample("sbxnet_forwarder_preamble_rejects_total", {"reason": "timeout"}) == 1
+    assert app.accepted == 0
+
+
+@pytest.mark.parametrize(
+    ("dst", "reason"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("169.254.169.254", "link_local"),
+        ("10.99.0.1", "outside_prefixes"),
+    ],
+)
+def test_forbidden_targets(make_forwarder, pki: Pki, dst: str, reason: str) -> None:  # type: ignore[no-untyped-def]
+    import ipaddress
+
+    fwd = make_forwarder(
+        sandbox_prefixes=[ipaddress.ip_network("0.0.0.0/1"), ipaddress.ip_network("128.0.0.0/1")],
+        allow_targets=[],
+    )
+    if dst == "10.99.0.1":
+        fwd = make_forwarder(sandbox_prefixes=[ipaddress.ip_network("192.0.2.0/24")], allow_targets=[])
+    client = GwClient(fwd.port, pki.client_ctx())
+    assert client.open(preamble_for(8080, dst=dst)) is Status.FORBIDDEN
+    client.close()
+    fwd.wait_idle()
+    assert fwd.sample("sbxnet_forwarder_target_rejects_total", {"reason": reason}) == 1
+
+
+def test_host_address_refused(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    import ipaddress
+
+    from forwarder.host_addrs import host_addresses
+
+    candidates = [a for a in host_addresses() if a.version == 4 and not a.is_loopback]
+    if not candidates:
+        pytest.skip("this host has no non-loopback IPv4 address to refuse")
+    addr = sorted(candidates)[0]
+    fwd = make_forwarder(sandbox_prefixes=[ipaddress.ip_network("0.0.0.0/0")], allow_targets=[])
+    client = GwClient(fwd.port, pki.client_ctx())
+    assert client.open(preamble_for(8080, dst=str(addr))) is Status.FORBIDDEN
+    client.close()
+    fwd.wait_idle()
+    assert fwd.sample("sbxnet_forwarder_target_rejects_total", {"reason": "host_address"}) == 1
+
+
+# -- sandbox not there -----------------------------------------------------------------------------
+
+
+def test_not_listening_gets_status_and_leaks_nothing(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+    fwd = make_forwarder(connect_deadline=0.3)
+    app = SandboxApp(_never, listen=False)  # a port nobody listens on
+    before = open_fds()
+    for _ in range(3):
+        client = GwClient(fwd.port, pki.client_ctx())
+        t0 = time.monotonic()
+        assert client.open(preamble_for(app.port)) is Status.NOT_LISTENING
+        assert 0.25 < time.monotonic() - t0 < 1.0
+        client.close()
+    fwd.wait_idle()
+    time.sleep(0.05)
+    assert open_fds() - before == set()
+    assert fwd.sample("sbxnet_forwarder_connections_total", {"outcome": "not_listening"}) == 3
+    assert fwd.sample("sbxnet_forwarder_connect_attempts_total") >= 3 * 4
