@@ -15,6 +15,16 @@ class FrameRefused(RemoteProtocolError):
     """
 
 
+class FramingLost(FrameRefused):
+    """``bad_frame_length``: the stream's framing is lost for good. ``frames`` holds the whole frames the
+    same ``feed`` call completed before the bad length, so what the guest sent before breaking the
+    framing is handled the same whatever the chunking."""
+
+    def __init__(self, detail: str, frames: list[memoryview | bytes]) -> None:
+        super().__init__("bad_frame_length", detail)
+        self.frames = frames
+
+
 class HelloRefused(RemoteProtocolError):
     """The 12-byte stream hello is malformed or asks for something protocol v1 cannot carry."""
 

@@ -3,11 +3,12 @@
 Sans-I/O: the adapter reads bytes from the socket and calls ``FrameDecoder.feed``; it writes what
 ``push_hello``/``push_frame`` return. See docs/egress.md for the wire layout.
 
-A ``len`` outside 30..65545 (10-byte vnet header + 20..65535 bytes of IPv4) raises
-``FrameRefused("bad_frame_length")``. That error is fatal for the stream: once framing is lost there is
-no way to find the next frame boundary, so the decoder stays failed (every later ``feed`` raises the
-same reason) and the adapter must close the connection. Everything a frame carries is judged
-afterwards, per frame, by ``validate.validate_outbound``.
+A ``len`` outside 30..65545 (10-byte vnet header + 20..65535 bytes of IPv4) raises ``FramingLost``
+(a ``FrameRefused`` with reason ``bad_frame_length``). That error is fatal for the stream: once framing
+is lost there is no way to find the next frame boundary, so the decoder stays failed (every later
+``feed`` raises the same reason, with no frames) and the adapter must close the connection after
+handling ``exc.frames``, the whole frames that preceded the bad length in that call. Everything a
+frame carries is judged afterwards, per frame, by ``validate.validate_outbound``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from forwarder.egress.errors import FrameRefused, HelloRefused
+from forwarder.egress.errors import FramingLost, HelloRefused
 from forwarder.egress.vnet import (
     HOST_OFFLOADS,
     TUN_F_ALL,
@@ -162,8 +163,8 @@ class FrameDecoder:
     zero-copy memoryviews of it; anything else is copied once into ``bytes``, so the caller may reuse
     its receive buffer at once. Each byte is copied at most twice (into the pending buffer, then out),
     and the pending buffer is compacted once per call, so feeding is linear in the bytes fed whatever
-    the chunking. A bad length raises ``FrameRefused("bad_frame_length")`` and fails the decoder for
-    good (see the module docstring).
+    the chunking. A bad length raises ``FramingLost`` (reason ``bad_frame_length``) and fails the decoder for
+    good (see the module docstring), carrying the frames completed before it.
     """
 
     __slots__ = ("_buf", "_error", "_need", "_pos")
@@ -172,7 +173,7 @@ class FrameDecoder:
         self._buf = bytearray()
         self._pos = 0
         self._need = FRAME_PREFIX_LEN  # bytes of the current item (prefix, then prefix + frame)
-        self._error: FrameRefused | None = None
+        self._error: str | None = None
 
     @property
     def pending(self) -> int:
@@ -183,13 +184,13 @@ class FrameDecoder:
     def failed(self) -> bool:
         return self._error is not None
 
-    def _fail(self, n: int) -> FrameRefused:
-        self._error = FrameRefused("bad_frame_length", f"len {n} outside {FRAME_LEN_MIN}..{FRAME_LEN_MAX}")
-        return self._error
+    def _fail(self, n: int, out: list[memoryview | bytes]) -> FramingLost:
+        self._error = f"len {n} outside {FRAME_LEN_MIN}..{FRAME_LEN_MAX}"
+        return FramingLost(self._error, out)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[memoryview | bytes]:
         if self._error is not None:
-            raise FrameRefused(self._error.reason, self._error.detail)
+            raise FramingLost(self._error, [])
         out: list[memoryview | bytes] = []
         if not self._buf:
             mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
@@ -199,7 +200,7 @@ class FrameDecoder:
             while end - pos >= FRAME_PREFIX_LEN:
                 (n,) = _LEN.unpack_from(mv, pos)
                 if not FRAME_LEN_MIN <= n <= FRAME_LEN_MAX:
-                    raise self._fail(n)
+                    raise self._fail(n, out)
                 if end - pos - FRAME_PREFIX_LEN < n:
                     break
                 frame = mv[pos + FRAME_PREFIX_LEN : pos + FRAME_PREFIX_LEN + n]
@@ -225,7 +226,7 @@ class FrameDecoder:
                 (n,) = _LEN.unpack_from(buf, pos)
                 if not FRAME_LEN_MIN <= n <= FRAME_LEN_MAX:
                     self._pos = pos
-                    raise self._fail(n)
+                    raise self._fail(n, out)
                 need = FRAME_PREFIX_LEN + n
                 continue
             out.append(bytes(buf[pos + FRAME_PREFIX_LEN : pos + need]))

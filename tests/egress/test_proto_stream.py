@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forwarder.egress.errors import FrameRefused, HelloRefused
+from forwarder.egress.errors import FrameRefused, FramingLost, HelloRefused
 from forwarder.egress.stream import (
     FRAME_LEN_MAX,
     FRAME_LEN_MIN,
@@ -267,6 +267,27 @@ def test_decoder_bad_length_is_fatal(n: int) -> None:
         with pytest.raises(FrameRefused) as again:
             dec.feed(push_frame(VNET, PKT20))
         assert again.value.reason == "bad_frame_length"
+
+
+def test_decoder_failure_carries_earlier_frames() -> None:
+    good = push_frame(VNET, PKT20)
+    wire = good * 3 + struct.pack("!I", 5) + good
+    dec = FrameDecoder()
+    with pytest.raises(FramingLost) as exc:
+        dec.feed(wire)
+    assert [bytes(f) for f in exc.value.frames] == [VNET + PKT20] * 3
+    # fed in pieces: the frames already returned plus those in the failing call are the same three
+    for step in (1, 7, 35):
+        dec = FrameDecoder()
+        got: list[bytes] = []
+        with pytest.raises(FramingLost) as exc:
+            for i in range(0, len(wire), step):
+                got.extend(bytes(f) for f in dec.feed(wire[i : i + step]))
+        got.extend(bytes(f) for f in exc.value.frames)
+        assert got == [VNET + PKT20] * 3
+    with pytest.raises(FramingLost) as exc:
+        dec.feed(good)
+    assert exc.value.frames == []
 
 
 def test_decoder_bounds_accepted() -> None:
