@@ -24,7 +24,7 @@ from forwarder.metrics import ForwarderMetrics
 from forwarder.planes import DataPlane, Handoff, Outcome, abort
 from forwarder.san_acl import SanAllowlist, peer_sans
 from forwarder.settings import ForwarderSettings
-from forwarder.target_guard import TargetPolicy, TargetRefused, judge_target
+from forwarder.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
 from forwarder.tls import handshake_failure_reason, server_context
 from forwarder.tls_link import TlsLink
 from sbxnet.errors import RemoteProtocolError, SbxnetError
@@ -295,7 +295,7 @@ class ForwarderServer:
             return "forbidden"
 
         result = await connect_with_retry(
-            preamble.dst, preamble.dst_port,
+            canonical(preamble.dst), preamble.dst_port,  # connect to exactly what was judged
             deadline_s=s.connect_deadline, syn_interval=s.connect_syn_interval,
             backoff_initial=s.connect_backoff_initial, backoff_cap=s.connect_backoff_cap,
         )
