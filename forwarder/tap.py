@@ -56,6 +56,7 @@ from forwarder.tap_spec import (
     TapSpec,
     check_adoptable,
     derive_mac,
+    first_round,
     nud_name,
     parse_mac,
     plan_tap,
@@ -96,6 +97,7 @@ IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
 IFF_TUN_EXCL = 0x8000  # fail with EBUSY instead of attaching when the name already exists
 IFF_UP = 0x1
+_MAX_ROUNDS = 3  # a plan converges in at most two rounds (see tap_spec.first_round); the third is slack
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def _netlink_error(what: str, netns: str | None, e: BaseException) -> TapNetlink
     where = f"netns {netns}" if netns else "the host namespace"
     return TapNetlinkError(
         "netlink",
-        f"the kernel refused to {what} in {where}: {name} ({e})",
+        f"the kernel refused ({what}) in {where}: {name} ({e})",
         "run as root (CAP_NET_ADMIN in that namespace) and check the request; dmesg may say more",
     )
 
@@ -300,7 +302,11 @@ def _apply(ipr: Any, netns: str | None, ifindex: int, action: Any) -> None:
         _call(netns, action.describe(), ipr.addr, cmd, index=ifindex, address=str(action.iface.ip),
               prefixlen=action.iface.network.prefixlen)
     elif isinstance(action, DelNeighbour):
-        _call(netns, action.describe(), ipr.neigh, "del", dst=str(action.ip), ifindex=ifindex)
+        try:
+            _call(netns, action.describe(), ipr.neigh, "del", dst=str(action.ip), ifindex=ifindex)
+        except TapNetlinkError as e:
+            if e.__cause__ is None or getattr(e.__cause__, "code", None) != errno.ENOENT:
+                raise  # ENOENT: already gone (flushed meanwhile), which is what we wanted
     elif isinstance(action, SetNeighbour):
         # "replace" = NLM_F_CREATE|NLM_F_REPLACE: overrides a dynamic (REACHABLE/STALE/INCOMPLETE) entry
         # or a wrong lladdr in one message.
@@ -333,10 +339,19 @@ def ensure_tap(spec: TapSpec, *, allow_attached: bool = False) -> TapResult:
                 raise TapNetlinkError("tap_vanished", f"tap {ref.name} in {ref.where} vanished right after "
                                       "creation", "check for another agent deleting taps concurrently")
         check_adoptable(ref, obs, allow_attached=allow_attached)
-        actions = plan_tap(spec, obs)
-        for action in actions:
-            _apply(ipr, spec.netns, obs.ifindex, action)
-        after = _observe(ipr, ref) if actions else obs
+        done: list[Change] = [Created(ref.name, ref.where)] if created else []
+        after: ObservedTap | None = obs
+        for _ in range(_MAX_ROUNDS):
+            assert after is not None
+            actions = first_round(plan_tap(spec, after))
+            if not actions:
+                break
+            for action in actions:
+                _apply(ipr, spec.netns, after.ifindex, action)
+            done.extend(actions)
+            after = _observe(ipr, ref)
+            if after is None:
+                break
         left = plan_tap(spec, after) if after is not None else ()
         if after is None or left:
             raise TapNetlinkError(
@@ -345,8 +360,7 @@ def ensure_tap(spec: TapSpec, *, allow_attached: bool = False) -> TapResult:
                 + ("it vanished" if after is None else "; ".join(a.describe() for a in left)),
                 "check for another agent changing the same tap concurrently",
             )
-    changes: tuple[Change, ...] = ((Created(ref.name, ref.where),) if created else ()) + actions
-    return TapResult(spec.name, spec.netns, after.ifindex, after.mac, created, changes)
+    return TapResult(spec.name, spec.netns, after.ifindex, after.mac, created, tuple(done))
 
 
 def remove_tap(target: TapSpec | TapRef, *, allow_attached: bool = False) -> RemoveResult:

@@ -59,8 +59,8 @@ def open_netns(name: str) -> int:
     try:
         kind = fcntl.ioctl(fd, NS_GET_NSTYPE)
     except OSError as e:
-        os.close(fd)
         if e.errno not in (errno.ENOTTY, errno.EINVAL):
+            os.close(fd)
             raise
         kind = -1
     if kind != CLONE_NEWNET:

@@ -106,7 +106,8 @@ def parse_mac(text: str, what: str = "MAC") -> str:
     """
     raw = text.strip().replace("-", ":") if isinstance(text, str) else ""
     parts = raw.split(":")
-    if len(parts) != 6 or not all(len(p) == 2 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
+    hexdigits = "0123456789abcdefABCDEF"
+    if len(parts) != 6 or not all(len(p) == 2 and all(c in hexdigits for c in p) for p in parts):
         raise InvalidMacError(
             "mac_invalid",
             f"{what} {text!r} is not a MAC address",
@@ -148,7 +149,8 @@ def derive_mac(stable_id: str, role: str = "tap") -> str:
     if role not in MAC_ROLES:
         raise TapSpecError("mac_role_invalid", f"MAC role {role!r} is not one of {MAC_ROLES}",
                            "use role 'tap' or 'guest'")
-    digest = hashlib.sha256(_MAC_DERIVATION_DOMAIN + b"\0" + role.encode() + b"\0" + stable_id.encode()).digest()
+    material = _MAC_DERIVATION_DOMAIN + b"\0" + role.encode() + b"\0" + stable_id.encode()
+    digest = hashlib.sha256(material).digest()
     octets = bytes([(digest[0] & 0xFC) | 0x02]) + digest[1:6]
     return ":".join(f"{b:02x}" for b in octets)
 
@@ -510,4 +512,17 @@ def plan_tap(spec: TapSpec, obs: ObservedTap) -> tuple[Action, ...]:
         actions.append(SetNeighbour(spec.guest_ip, spec.guest_mac,
                                     current.mac if current else None, current.state if current else None))
     return tuple(actions)
+
+
+def first_round(actions: tuple[Action, ...]) -> tuple[Action, ...]:
+    """The part of a plan to apply before observing the tap again: link and address changes first,
+    neighbour changes only in a round of their own.
+
+    Link and address changes can flush the tap's neighbour table, PERMANENT entries included: a MAC
+    change (NETDEV_CHANGEADDR -> neigh_changeaddr) and removing the last IPv4 address
+    (fib_disable_ip -> arp_ifdown) both do. Neighbour changes planned before them would be undone, so
+    they are planned again from a fresh observation once the link and addresses are right.
+    """
+    link = tuple(a for a in actions if not isinstance(a, (DelNeighbour, SetNeighbour)))
+    return link or actions
 
