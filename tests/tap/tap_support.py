@@ -17,7 +17,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 
@@ -177,7 +177,22 @@ class Capture:
             while True:
                 self.sock.recv(65536)
 
-    def outgoing_until(self, deadline_ns: int, stop: object = None) -> list[Frame]:
+    def read_outgoing(self) -> Frame | None:
+        """One queued frame if it was sent out of the interface, else None (incoming frames are skipped)."""
+        try:
+            data, anc, _flags, addr = self.sock.recvmsg(65536, socket.CMSG_SPACE(16))
+        except BlockingIOError:
+            return None
+        if addr[2] != PACKET_OUTGOING:
+            return None
+        ts = time.time_ns()
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
+                sec, nsec = struct.unpack("qq", payload[:16])
+                ts = sec * 1_000_000_000 + nsec
+        return Frame(ts, data, "out")
+
+    def outgoing_until(self, deadline_ns: int, stop: Callable[[Frame], bool] | None = None) -> list[Frame]:
         """Outgoing frames until ``deadline_ns`` (time.time_ns()) or until ``stop(frame)`` is true."""
         frames: list[Frame] = []
         while True:
@@ -187,17 +202,11 @@ class Capture:
             r, _, _ = select.select([self.sock], [], [], left)
             if not r:
                 return frames
-            data, anc, _flags, addr = self.sock.recvmsg(65536, socket.CMSG_SPACE(16))
-            if addr[2] != PACKET_OUTGOING:
+            f = self.read_outgoing()
+            if f is None:
                 continue
-            ts = time.time_ns()
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
-                    sec, nsec = struct.unpack("qq", payload[:16])
-                    ts = sec * 1_000_000_000 + nsec
-            f = Frame(ts, data, "out")
             frames.append(f)
-            if callable(stop) and stop(f):
+            if stop is not None and stop(f):
                 return frames
 
     def close(self) -> None:
