@@ -29,13 +29,13 @@ def transfer(pump: SplicePump, conns: int, size: int) -> None:
     threads = []
     for i, w in enumerate(wired):
         up, down = stream(2 * i, size), stream(2 * i + 1, size)
-        rs = [Receiver(w.sb_peer), Receiver(w.gw_peer)]
-        ss = [Sender(w.gw_peer, up), Sender(w.sb_peer, down)]
+        rs = (Receiver(w.sb_peer), Receiver(w.gw_peer))
+        ss = (Sender(w.gw_peer, up), Sender(w.sb_peer, down))
         threads.append((w, up, down, rs, ss))
         for t in [*rs, *ss]:
             t.start()
     for _w, up, down, rs, ss in threads:
-        for t in [*rs, *ss]:
+        for t in (*rs, *ss):
             t.join(120)
             assert not t.is_alive()
             assert t.error is None, t.error

@@ -1,0 +1,51 @@
+/* TLS 1.3 application traffic keys from OpenSSL into kernel TLS; see tls_keys.c. */
+#ifndef SBXNET_TLS_KEYS_H
+#define SBXNET_TLS_KEYS_H
+
+#include <openssl/ssl.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TK_E_ARG -1
+#define TK_E_OPENSSL -2
+#define TK_E_NOT_PREPARED -3   /* our callbacks did not see this handshake */
+#define TK_E_STATE -4          /* not TLS 1.3, handshake not finished, or already installed */
+#define TK_E_CIPHER -5         /* not an AES-GCM suite */
+#define TK_E_BUFFERED -6       /* OpenSSL still holds bytes the kernel would never see */
+#define TK_E_RECORDS -7        /* record counts disagree, or a non-data record was exchanged */
+#define TK_E_ULP -8            /* setsockopt(TCP_ULP, "tls") failed: see sys_errno */
+#define TK_E_TX -9
+#define TK_E_RX -10
+#define TK_E_FOREIGN_KEYLOG -11 /* the context already has someone else's keylog callback */
+
+struct tk_info {
+    int version;
+    int is_server;
+    int init_finished;
+    int suite;
+    int pending;
+    int has_pending;
+    int have_client_secret;
+    int have_server_secret;
+    int installed;
+    uint64_t tx_records;
+    uint64_t rx_records;
+    uint64_t tx_other;
+    uint64_t rx_other;
+    uint64_t hs_records;
+};
+
+int tk_prepare_ctx(SSL_CTX *ctx);
+int tk_ctx_prepared(SSL_CTX *ctx);
+uint64_t tk_ctx_options(SSL_CTX *ctx);
+SSL_CTX *tk_ssl_ctx(SSL *ssl);
+int tk_info(SSL *ssl, struct tk_info *out);
+int tk_expand_label(int sha384, const unsigned char *secret, size_t secret_len, const char *label,
+                    unsigned char *out, size_t out_len);
+int tk_install(SSL *ssl, int fd, int64_t expect_tx, int64_t expect_rx, int *sys_errno);
+int tk_export_for_test(SSL *ssl, int64_t expect_tx, int64_t expect_rx, unsigned char *tx_out,
+                       unsigned char *rx_out, int out_len);
+int tk_set_ciphersuites(SSL_CTX *ctx, const char *suites);
+int tk_key_update(SSL *ssl, int request_peer);
+
+#endif
