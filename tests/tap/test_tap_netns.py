@@ -289,7 +289,7 @@ def test_attached_tap_is_in_use(env: TapEnv) -> None:
             call()
         assert e.value.reason == "tap_attached" and "--allow-attached" in str(e.value)
     assert not ensure_tap(spec, allow_attached=True).changed
-    env.close_fd(fd)
+    env.close_fd(fd)  # the VMM exits: carrier goes down, and the PERMANENT entry survives that
     assert not ensure_tap(spec).changed
 
 
