@@ -74,10 +74,15 @@ class ProbeResult:
             "not_built": "the running kernel was built without CONFIG_TLS (no `tls` module exists)",
             "attach_failed": "the TLS ULP is listed but could not be attached to a TCP socket",
         }[self.cause]
+        fix = (
+            "boot a kernel built with CONFIG_TLS and load the module (`modprobe tls`)"
+            if self.cause == "not_built"
+            else "load the module with `modprobe tls`"
+        )
         return (
-            f"forwarder: data_plane = \"ktls\" but {what} ({self.detail}). "
-            "Load it with `modprobe tls`, or choose the userspace plane explicitly "
-            "(data_plane = \"userspace\", SBXNET_FORWARDER_DATA_PLANE=userspace). Not falling back."
+            f"forwarder: data_plane = \"ktls\" but {what} ({self.detail}). Either {fix}, or choose the "
+            "userspace plane explicitly (data_plane = \"userspace\", SBXNET_FORWARDER_DATA_PLANE=userspace). "
+            "Refusing to start: the forwarder never falls back by itself."
         )
 
 

@@ -23,6 +23,14 @@ log = logging.getLogger("sbxnet.forwarder")
 def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
     jsonlog.setup(settings.log_level)
     workers = settings.workers or (os.cpu_count() or 1)
+    if settings.data_plane == "ktls":
+        from forwarder.ktls import probe
+
+        # Fail closed, before anything listens: never fall back to the userspace plane by itself.
+        result = probe()
+        if not result.ok:
+            print(result.message(), file=sys.stderr)
+            return 1
     try:
         from forwarder.tls import server_context
 

@@ -71,6 +71,10 @@ def make_plane(settings: ForwarderSettings) -> DataPlane:
         from forwarder.userspace_plane import UserspacePlane
 
         return UserspacePlane()
+    if settings.data_plane == "ktls":
+        from forwarder.ktls_plane import KtlsPlane
+
+        return KtlsPlane()  # raises KtlsUnavailable (fail closed) where the kernel has no TLS
     raise ValueError(f"unknown data plane {settings.data_plane!r}")
 
 

@@ -21,6 +21,10 @@ def server_context(settings: ForwarderSettings) -> ssl.SSLContext:
     ctx.load_cert_chain(certfile=str(settings.cert_file), keyfile=str(settings.key_file))
     ctx.num_tickets = 0
     ctx.options |= ssl.OP_NO_TICKET
+    if settings.data_plane == "ktls":
+        from forwarder.ktls import prepare_context
+
+        prepare_context(ctx)  # AES-GCM suites only; secrets captured in memory for the kernel
     return ctx
 
 

@@ -45,3 +45,15 @@ def client_ctx(pki_dir: Path) -> Callable[[], ssl.SSLContext]:
         return ctx
 
     return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from forwarder.ktls import probe
+
+    marked = [item for item in items if item.get_closest_marker("ktls") is not None]
+    if marked and not probe().ok:
+        skip = pytest.mark.skip(
+            reason="no kernel TLS in this kernel; scripts/ktls-tests.sh runs these inside a Debian kernel"
+        )
+        for item in marked:
+            item.add_marker(skip)

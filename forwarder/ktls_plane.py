@@ -1,0 +1,191 @@
+"""The ``ktls`` data plane: keys in the kernel, bytes moved by the splice pump, none through Python.
+
+Per connection: deliver the tenant bytes that shared a record with the end of the preamble, install
+the session's TLS 1.3 keys on the gateway socket (TLS_TX and TLS_RX, continuing the exact record
+sequence numbers), then give both descriptors to the pump. The ``SSLObject`` is never used again:
+its fd is detached and the pump owns the socket. The pump reports the end of the connection with
+exact byte counts; live meters are refreshed from its counters twice a second (per connection, not
+per chunk) for the idle-timer feed and the metrics.
+
+Fail closed: constructing the plane probes the kernel and raises :class:`KtlsUnavailable` if the TLS
+ULP cannot be attached; nothing falls back to the userspace plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import struct
+import time
+
+from forwarder import ktls
+from forwarder.metering import ConnMeter
+from forwarder.planes import Handoff, Outcome, abort
+from forwarder.splice_pump import PumpEvent, PumpOutcome, SplicePump
+
+log = logging.getLogger("sbxnet.forwarder")
+METER_REFRESH_S = 0.5
+
+_OUTCOMES = {
+    PumpOutcome.CLOSED: Outcome.CLOSED,
+    PumpOutcome.RESET_GATEWAY: Outcome.RESET_GATEWAY,
+    PumpOutcome.RESET_SANDBOX: Outcome.RESET_SANDBOX,
+    PumpOutcome.CLOSE_TIMEOUT: Outcome.CLOSE_TIMEOUT,
+    PumpOutcome.TLS_ERROR: Outcome.TLS_ERROR,
+    PumpOutcome.ABORTED: Outcome.DRAINED,
+    PumpOutcome.INTERNAL: Outcome.INTERNAL,
+}
+
+
+class KtlsUnavailable(ktls.KtlsError):
+    """The kernel cannot carry kernel TLS; ``message`` is the one start-up line (cause and fixes)."""
+
+    def __init__(self, result: ktls.ProbeResult) -> None:
+        super().__init__(result.cause, result.detail)
+        self.result = result
+        self.message = result.message()
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _close_fd(fd: int, *, reset: bool) -> None:
+    with contextlib.suppress(OSError):
+        if reset:
+            s = socket.socket(fileno=fd)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        else:
+            os.close(fd)
+
+
+class KtlsPlane:
+    name = "ktls"
+
+    def __init__(self, *, threads: int = 1, max_conns: int = 65536) -> None:
+        result = ktls.probe()
+        if not result.ok:
+            raise KtlsUnavailable(result)
+        self._threads = threads
+        self._max_conns = max_conns
+        self._pump: SplicePump | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: dict[int, tuple[asyncio.Future[PumpEvent], ConnMeter, int]] = {}
+        self._refresh: asyncio.Task[None] | None = None
+        # Why connections ended, by the pump's reason token (tls_key_update, tls_decrypt_error, ...),
+        # and refusals before the hand-over (install failures), by KtlsError reason.
+        self.ends: collections.Counter[str] = collections.Counter()
+        self.install_failures: collections.Counter[str] = collections.Counter()
+
+    @staticmethod
+    def prepare_context(ctx: ssl.SSLContext) -> None:
+        """Called on every server context before it serves (start-up and each reload)."""
+        ktls.prepare_context(ctx)
+
+    @property
+    def pump(self) -> SplicePump | None:
+        return self._pump
+
+    def _ensure_pump(self) -> SplicePump:
+        loop = asyncio.get_running_loop()
+        if self._pump is None:
+            self._pump = SplicePump(threads=self._threads, max_conns=self._max_conns)
+            self._loop = loop
+            loop.add_reader(self._pump.event_fd, self._on_events)
+            self._refresh = loop.create_task(self._refresh_meters(), name="ktls-meters")
+        elif self._loop is not loop:
+            raise RuntimeError("KtlsPlane used from two event loops")
+        return self._pump
+
+    def _on_events(self) -> None:
+        assert self._pump is not None
+        for ev in self._pump.take_events():
+            entry = self._waiting.pop(ev.conn_id, None)
+            if entry and not entry[0].done():
+                entry[0].set_result(ev)
+
+    async def _refresh_meters(self) -> None:
+        while True:
+            await asyncio.sleep(METER_REFRESH_S)
+            pump = self._pump
+            if pump is None:
+                return
+            now = time.monotonic()
+            for conn_id, (_, meter, head) in list(self._waiting.items()):
+                c = pump.counters(conn_id)
+                if c is not None and (head + c[0], c[1]) != (meter.up, meter.down):
+                    meter.up, meter.down = head + c[0], c[1]
+                    meter.last_activity = now
+
+    async def close(self) -> None:
+        """Stop the pump (connections still in it are reset). For tests and shutdown."""
+        if self._refresh:
+            self._refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh
+        if self._pump is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._pump.event_fd)
+            self._pump.close()
+            self._pump = None
+
+    async def run(self, h: Handoff) -> Outcome:
+        loop = asyncio.get_running_loop()
+        pump = self._ensure_pump()
+        link = h.link
+        # Tenant bytes that came in the preamble's record go first, so the sandbox sees them in order.
+        if h.leftover:
+            try:
+                await loop.sock_sendall(h.upstream, h.leftover)
+            except OSError:
+                abort(h.upstream)
+                abort(link.sock)
+                return Outcome.RESET_SANDBOX
+            h.meter.up += len(h.leftover)
+            h.meter.last_activity = time.monotonic()
+        head = len(h.leftover)
+        try:
+            installed = ktls.install(
+                link.ssl, link.incoming, link.sock.fileno(),
+                expect_tx=link.tx_app_records, expect_rx=link.rx_app_records,
+            )
+        except ktls.KtlsError as e:
+            self.install_failures[e.reason] += 1
+            log.warning("kernel TLS install refused", extra={"event": "ktls_install_failed", "reason": e.reason})
+            abort(h.upstream)
+            abort(link.sock)
+            return Outcome.TLS_ERROR if e.reason == "record_count_mismatch" else Outcome.INTERNAL
+        # From here on OpenSSL's object is dead to us: never read, written or shut down again. Its
+        # memory BIOs hold nothing (checked by install); dropping it frees the SSL without a byte sent.
+        del installed
+        gw_fd = link.sock.detach()
+        sb_fd = h.upstream.detach()
+        try:
+            conn_id = pump.add(gw_fd, sb_fd, ktls=True, close_timeout=h.close_timeout)
+        except OSError:
+            _close_fd(gw_fd, reset=True)
+            _close_fd(sb_fd, reset=True)
+            return Outcome.INTERNAL
+        fut: asyncio.Future[PumpEvent] = loop.create_future()
+        self._waiting[conn_id] = (fut, h.meter, head)
+        try:
+            ev = await fut
+        except asyncio.CancelledError:
+            c = pump.counters(conn_id)
+            if c is not None:
+                h.meter.up, h.meter.down = head + c[0], c[1]
+            self._waiting.pop(conn_id, None)
+            pump.abort(conn_id, reset=True)
+            raise
+        h.meter.up = head + ev.bytes_up
+        h.meter.down = ev.bytes_down
+        h.meter.last_activity = time.monotonic()
+        self.ends[ev.reason] += 1
+        if ev.outcome is PumpOutcome.TLS_ERROR:
+            log.warning("gateway TLS stream ended the connection", extra={"event": "ktls_close", "reason": ev.reason})
+        return _OUTCOMES[ev.outcome]

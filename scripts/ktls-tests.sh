@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The kernel-TLS tests (pytest -m ktls tests/ktls). On a kernel that can attach the TLS ULP they run
+# directly. Otherwise they run inside Debian's stock kernel (linux-image-amd64, CONFIG_TLS=m) booted
+# with virtme-ng under QEMU software emulation: the host's root is shared read-only, results come back
+# through a --rwdir, and this script exits with the tests' exit code. If the VM cannot start or the
+# tests do not report, this FAILS with the reason: a kTLS test is never skipped silently.
+#   KTLS_VM_TIMEOUT  seconds for the whole VM run (default 480)
+#   KTLS_XFER_MIB    MiB each way for the large transfer tests (default 64; the issue needs >= 64)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+py=$root/.venv/bin/python
+export PATH="$root/.venv/bin:$PATH" PYTHONDONTWRITEBYTECODE=1
+pytest_args=(-p no:cacheprovider -m ktls tests/ktls -q -rs)
+
+if "$py" -c 'import sys; from forwarder.ktls import probe; sys.exit(0 if probe().ok else 1)' 2>/dev/null; then
+    echo "kTLS: the running kernel attaches the TLS ULP; running the kTLS tests directly"
+    exec "$py" -m pytest "${pytest_args[@]}" "$@"
+fi
+
+fail() { echo "kTLS tests: FAILED: $*" >&2; exit 1; }
+kernel=$(ls /boot/vmlinuz-*-amd64 2>/dev/null | sort -V | tail -n 1)
+[[ -n $kernel ]] || fail "no kernel here has TLS and no Debian kernel to boot (apt-get install linux-image-amd64; scripts/setup.sh does)"
+command -v vng >/dev/null || fail "virtme-ng (vng) is not installed in .venv (run scripts/setup.sh)"
+command -v qemu-system-x86_64 >/dev/null || fail "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)"
+
+results=$(mktemp -d /tmp/sbxnet-ktls.XXXXXX)
+trap 'rm -rf "$results"' EXIT
+# Inside the VM: /work/main and .venv are read-only; /tmp is a writable tmpfs; only $results comes back.
+cat >"$results/inner.sh" <<INNER
+cd '$root' || exit 90
+ip link set lo up 2>/dev/null
+if ! modprobe tls; then echo "modprobe tls failed inside the VM" >'$results/error'; echo 91 >'$results/rc'; exit 91; fi
+export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp TMPDIR=/tmp KTLS_XFER_MIB='${KTLS_XFER_MIB:-64}' SBXNET_IN_VM=1
+'$py' -m pytest ${pytest_args[*]} --basetemp=/tmp/pytest --junitxml='$results/junit.xml' $* >'$results/pytest.log' 2>&1
+echo \$? >'$results/rc'
+INNER
+
+echo "kTLS: no TLS in the running kernel ($(uname -r)); booting $(basename "$kernel") under QEMU (software emulation)"
+echo "kTLS: figures printed inside the VM are emulated: functional checks only, never performance"
+start=$SECONDS
+timeout "${KTLS_VM_TIMEOUT:-480}" vng --disable-kvm --cpus 2 --memory 2G --run "$kernel" \
+    --rwdir "$results" --exec "sh $results/inner.sh" </dev/null >"$results/vm.log" 2>&1
+vm_rc=$?
+[[ -f $results/pytest.log ]] && cat "$results/pytest.log"
+echo "kTLS: VM run took $((SECONDS - start)) s (vng exit $vm_rc)"
+if [[ ! -f $results/rc ]]; then
+    tail -n 30 "$results/vm.log" >&2
+    [[ $vm_rc -eq 124 ]] && fail "the VM run exceeded ${KTLS_VM_TIMEOUT:-480} s"
+    fail "the VM did not start or did not report a result (vng exit $vm_rc; its log is above)"
+fi
+rc=$(cat "$results/rc")
+[[ -f $results/error ]] && fail "$(cat "$results/error")"
+exit "$rc"
