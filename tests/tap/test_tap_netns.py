@@ -338,3 +338,21 @@ def test_cli_ensure_remove(env: TapEnv, capsys: pytest.CaptureFixture[str]) -> N
     assert err.startswith("sbxnet tap ensure: not_a_tap: ") and "fix:" in err
     assert main([*argv[:4], "--netns", unique("sbxnone"), *argv[6:]]) == 1
     assert "netns_missing" in capsys.readouterr().err
+
+
+def test_no_descriptor_or_thread_leak(env: TapEnv) -> None:
+    import threading
+
+    ns = env.netns()
+    spec = make_spec("tap0", ns)
+    ensure_tap(spec)
+    remove_tap(spec)  # warm up lazy imports and pyroute2 caches
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    for _ in range(5):
+        ensure_tap(spec)
+        ensure_tap(spec)
+        with pytest.raises(NetnsNotFoundError):
+            ensure_tap(make_spec("tap0", unique("sbxnone")))
+        remove_tap(spec)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert threading.active_count() == threads
