@@ -33,7 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        "PERMANENT neighbour entry for the guest. Running it again changes nothing.")
     _add_ref_args(e)
     e.add_argument("--host-addr", required=True, help="the tap's address with prefix, e.g. 172.16.0.1/30")
-    e.add_argument("--guest-ip", required=True, help="the guest's IPv4 address on that prefix, e.g. 172.16.0.2")
+    e.add_argument("--guest-ip", required=True,
+                   help="the guest's IPv4 address on that prefix, e.g. 172.16.0.2")
     e.add_argument("--tap-mac", help="the tap's fixed MAC (default: derived from --stable-id)")
     e.add_argument("--guest-mac", help="the guest NIC's MAC (default: derived from --stable-id)")
     e.add_argument("--stable-id", help="id the MACs are derived from when not given: what the snapshot "
