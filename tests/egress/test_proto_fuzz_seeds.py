@@ -1,6 +1,6 @@
 """Replays the egress fuzz seed corpora on every run and checks each seed's named outcome.
 
-Seeds live in tests/seeds/{egress_frames,vxlan,arp}/ (regenerate with tests/fuzz/make_egress_seeds.py);
+Seeds live in tests/seeds/{egress_frames,vxlan,arp}/ (regenerate with tests/fuzz/make_proto_seeds.py);
 a seed named ``<expected>-<what>`` must make the target's ``classify`` return ``expected`` ("ok" or a
 refusal reason). A short random smoke run of each target follows; the long run is bench/fuzz_egress.py.
 """
