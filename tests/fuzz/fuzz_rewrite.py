@@ -1,0 +1,77 @@
+"""Fuzz target: outbound frame validation + identity rewrite (``one_input(data)``, atheris-style).
+
+``data[0]`` picks the claim address, the rest is a frame (virtio_net_hdr + IPv4). Invariants, for any
+bytes: nothing but a refusal escapes the validator; the C rewrite and the reference agree on status
+and bytes; a refusal writes nothing; after a rewrite the source is the claim address, the destination
+is unchanged and only address and checksum fields changed (a guest cannot steer the checksum write at
+the IPv4 header); a right IPv4 header checksum stays right; whatever the validator accepts the rewrite
+accepts too, except an ICMP error whose quoted header cannot be rewritten (``bad_icmp_quote``).
+"""
+
+from __future__ import annotations
+
+from forwarder.egress import core_types as ct
+from forwarder.egress import reference as ref
+from forwarder.egress.errors import FrameRefused
+from forwarder.egress.fastpath import rewrite
+from forwarder.egress.validate import validate_outbound
+
+CLAIMS = (0x64400A07, 0x0A000002, 0x00000000, 0xFFFFFFFF)
+H = ct.VNET_HDR_LEN
+
+
+def allowed_changes(frame: bytes) -> set[int]:
+    """Offsets a rewrite may change: IPv4 checksum and source, the L4 checksum, an ICMP error's
+    checksum and its quoted header's checksum and destination."""
+    ihl = (frame[H] & 15) * 4
+    l4 = H + ihl
+    ok = set(range(H + 10, H + 16))
+    proto = frame[H + 9]
+    if proto == 6:
+        ok |= {l4 + 16, l4 + 17}
+    elif proto == 17:
+        ok |= {l4 + 6, l4 + 7}
+    elif proto == 1:
+        e = l4 + 8
+        ok |= {l4 + 2, l4 + 3, e + 10, e + 11, *range(e + 16, e + 20)}
+    return ok
+
+
+def one_input(data: bytes) -> None:
+    claim = CLAIMS[data[0] % len(CLAIMS)] if data else CLAIMS[0]
+    frame = bytes(data[1:])
+    try:
+        validate_outbound(frame, 65535)
+        accepted = True
+    except FrameRefused:
+        accepted = False
+    c = bytearray(frame)
+    r = bytearray(frame)
+    status = rewrite(c, claim)
+    if status != ref.rewrite(r, claim) or c != r:
+        raise AssertionError(f"C and reference disagree (status {status})")
+    if status != ct.OK:
+        if c != frame:
+            raise AssertionError("a refused frame was written to")
+        if accepted and status != ct.ERR_ICMP:
+            raise AssertionError(f"validated frame refused by the rewrite: {ct.REASONS.get(status)}")
+        return
+    if c[H + 12 : H + 16] != claim.to_bytes(4, "big"):
+        raise AssertionError("source is not the claim address")
+    if c[H + 16 : H + 20] != frame[H + 16 : H + 20]:
+        raise AssertionError("destination changed")
+    changed = {i for i in range(len(frame)) if c[i] != frame[i]}
+    if not changed <= allowed_changes(frame):
+        raise AssertionError(f"bytes changed outside address/checksum fields: {sorted(changed)}")
+    ihl = (frame[H] & 15) * 4
+    if ref.csum(frame[H : H + ihl]) == 0xFFFF and ref.csum(c[H : H + ihl]) != 0xFFFF:
+        raise AssertionError("a right IPv4 header checksum became wrong")
+
+
+if __name__ == "__main__":  # pragma: no cover - run by hand under atheris
+    import sys
+
+    import atheris
+
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
