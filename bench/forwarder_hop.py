@@ -18,7 +18,11 @@ Arms:
   D  HAProxy, nbthread 2
   E  arm A with forwarder.userspace_plane.CHUNK set to --fwd-chunk at start-up (an experiment on the
      read size; the module is not edited, the launcher assigns the global before serving)
-  H  HAProxy, mode tcp, no TLS, nbthread 1, no splice: the cost of only moving bytes through a
+  F  arm E plus the gateway->sandbox loop replaced by ``patched_forwarder_main``'s eager recv_into
+     into a buffer allocated once (an experiment for a proposed change; see that function); F/E
+     isolates the eager read, F/A is the whole proposal
+  G  arm B with tune.bufsize = --haproxy-big-bufsize (default 256KiB, the forwarder's read size)
+  H  HAProxy, mode tcp, no TLS, nbthread 1, no splice, tune.bufsize as G: the cost of only moving bytes through a
      user-space hop on this machine (recv + send over loopback), the floor under A and B
   P  no hop: plaintext client straight to the sink (the ceiling of client + sink on this machine)
 
@@ -66,7 +70,9 @@ ARM_NAMES = {
     "C": "forwarder userspace, 2 workers",
     "D": "HAProxy tcp+TLS, nbthread 2",
     "E": "forwarder userspace, 1 worker, CHUNK patched",
-    "H": "HAProxy tcp, no TLS, nbthread 1",
+    "F": "forwarder userspace, 1 worker, CHUNK + eager recv_into patched",
+    "G": "HAProxy tcp+TLS, nbthread 1, big buffers",
+    "H": "HAProxy tcp, no TLS, nbthread 1, big buffers",
     "P": "no hop (plain TCP client -> sink)",
 }
 
@@ -307,13 +313,77 @@ class Hop:
                 self.proc.wait()
 
 
-_PATCHED_LAUNCH = (
-    "import sys; import forwarder.userspace_plane as u; u.CHUNK = int(sys.argv[1]); "
-    "from sbxnet.cli import main; sys.exit(main(sys.argv[2:]))"
-)
+def patched_forwarder_main(argv: list[str]) -> int:
+    """Serve ``sbxnet forwarder`` with experimental changes to the userspace plane (arms E and F).
+
+    ``--chunk N`` sets ``userspace_plane.CHUNK``. ``--eager-recv-into`` replaces the gateway->sandbox
+    loop with one that reads into a buffer allocated once, and tries a non-blocking ``recv_into``
+    before awaiting the loop (uvloop's ``sock_recv`` always registers a reader first: an epoll_ctl
+    add/remove and a loop turn per read). Everything else (decrypt loop, send, close) is as in
+    forwarder/userspace_plane.py, which stays unedited: these are measurements for a proposal.
+    """
+    import asyncio
+    import contextlib
+    from typing import cast
+
+    import forwarder.userspace_plane as up_mod
+    from forwarder.tls_link import MAX_RECORD_BODY
+    from sbxnet.cli import main as sbxnet_main
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--chunk", type=int, default=0)
+    p.add_argument("--eager-recv-into", action="store_true")
+    opts, rest = p.parse_known_args(argv)
+    if opts.chunk:
+        up_mod.CHUNK = opts.chunk
+
+    async def gateway_to_sandbox(self: Any, h: Any) -> None:
+        loop = asyncio.get_running_loop()
+        sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
+        if h.leftover:
+            await self._send(up, memoryview(h.leftover), meter)
+        raw = bytearray(up_mod.CHUNK)
+        raw_view = memoryview(raw)
+        buf = bytearray(up_mod.CHUNK + 2 * MAX_RECORD_BODY)
+        view = memoryview(buf)
+        eof = False
+        while not eof:
+            try:
+                try:
+                    got = sock.recv_into(raw)
+                except BlockingIOError:
+                    got = await loop.sock_recv_into(sock, raw)
+            except OSError as e:
+                raise up_mod._Reset("gateway") from e
+            if not got:
+                break
+            h.link.incoming.write(raw_view[:got])
+            n = 0
+            while True:
+                try:
+                    k = cast(int, tls.read(len(buf) - n, view[n:]))
+                except ssl.SSLWantReadError:
+                    break
+                except ssl.SSLZeroReturnError:
+                    eof = True
+                    break
+                except ssl.SSLError as e:
+                    raise up_mod._TlsFailure(e.reason or "tls") from e
+                if k == 0:
+                    eof = True
+                    break
+                n += k
+            if n:
+                await self._send(up, view[:n], meter)
+        with contextlib.suppress(OSError):
+            up.shutdown(socket.SHUT_WR)
+
+    if opts.eager_recv_into:
+        up_mod.UserspacePlane._gateway_to_sandbox = gateway_to_sandbox  # type: ignore[method-assign]
+    return sbxnet_main(rest)
 
 
-def start_forwarder(arm: str, work: Path, certs: Path, workers: int, chunk: int = 0) -> Hop:
+def start_forwarder(arm: str, work: Path, certs: Path, workers: int, patch: tuple[str, ...] = ()) -> Hop:
     port = free_port()
     cfg = work / f"forwarder-{arm}.toml"
     cfg.write_text(
@@ -326,13 +396,13 @@ def start_forwarder(arm: str, work: Path, certs: Path, workers: int, chunk: int 
     )
     log = (work / f"forwarder-{arm}.log").open("wb")
     cmd = [SBXNET, "forwarder", "--config", str(cfg)]
-    if chunk:
-        cmd = [PY, "-c", _PATCHED_LAUNCH, str(chunk), *cmd[1:]]
+    if patch:
+        cmd = [PY, __file__, "_fwd_patched", *patch, *cmd[1:]]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     wait_port(port, proc)
     if workers > 1:
         time.sleep(1.0)  # let every worker bind before load arrives
-    return Hop(arm, port, proc, "fwd", f"workers={workers}" + (f" CHUNK={chunk}" if chunk else ""))
+    return Hop(arm, port, proc, "fwd", f"workers={workers}" + (f" patched: {' '.join(patch)}" if patch else ""))
 
 
 def start_haproxy(arm: str, work: Path, certs: Path, sink_port: int, threads: int, bufsize: int,
@@ -493,8 +563,8 @@ def markdown(rows: list[dict[str, Any]], hops: dict[str, Hop]) -> str:
 def ratios(rows: list[dict[str, Any]]) -> str:
     lines = []
     for conns in sorted({r["conns"] for r in rows}):
-        by = {a: [r for r in rows if r["arm"] == a and r["conns"] == conns] for a in "ABCD"}
-        for ours, theirs in (("A", "B"), ("C", "D"), ("C", "B")):
+        by = {a: [r for r in rows if r["arm"] == a and r["conns"] == conns] for a in ARM_NAMES}
+        for ours, theirs in (("A", "B"), ("A", "G"), ("C", "D"), ("E", "A"), ("F", "E"), ("F", "A"), ("F", "G")):
             if by[ours] and by[theirs]:
                 g = statistics.median(r["gbps"] for r in by[ours]) / statistics.median(r["gbps"] for r in by[theirs])
                 c = statistics.median(r["hop_cpu_per_gb"] for r in by[theirs]) / statistics.median(
@@ -528,9 +598,13 @@ def runner_main(args: argparse.Namespace) -> int:
             elif a == "D":
                 hops[a] = start_haproxy(a, work, certs, sink.port, 2, args.haproxy_bufsize)
             elif a == "E":
-                hops[a] = start_forwarder(a, work, certs, 1, args.fwd_chunk)
+                hops[a] = start_forwarder(a, work, certs, 1, ("--chunk", str(args.fwd_chunk)))
+            elif a == "F":
+                hops[a] = start_forwarder(a, work, certs, 1, ("--chunk", str(args.fwd_chunk), "--eager-recv-into"))
+            elif a == "G":
+                hops[a] = start_haproxy(a, work, certs, sink.port, 1, args.haproxy_big_bufsize)
             elif a == "H":
-                hops[a] = start_haproxy(a, work, certs, sink.port, 1, args.haproxy_bufsize, tls=False)
+                hops[a] = start_haproxy(a, work, certs, sink.port, 1, args.haproxy_big_bufsize, tls=False)
             else:
                 hops[a] = Hop(a, sink.port, None, "plain")
         what = f"{args.seconds:g} s" if args.seconds else f"{args.bytes / (1 << 20):.0f} MiB"
@@ -565,6 +639,9 @@ def runner_main(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_fwd_patched":
+        sys.path.insert(0, str(ROOT))
+        return patched_forwarder_main(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] in ("_sink", "_client"):
         sys.path.insert(0, str(ROOT))
         p = argparse.ArgumentParser()
@@ -586,13 +663,15 @@ def main() -> int:
                    help="instead of --bytes: each client sends for this long (the figures count what arrived)")
     p.add_argument("--conns", default="1,8", help="comma-separated concurrent connection counts (default 1,8)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the arms, order reversed every other round")
-    p.add_argument("--arms", default="A,B", help="comma-separated arms from A,B,C,D,E,H,P (default A,B)")
+    p.add_argument("--arms", default="A,B", help="comma-separated arms from A-H,P (default A,B)")
     p.add_argument("--chunk", type=parse_size, default=1 << 20, help="client write size (default 1MiB)")
     p.add_argument("--sink-buf", type=parse_size, default=1 << 20, help="sink recv_into buffer (default 1MiB)")
     p.add_argument("--haproxy-bufsize", type=parse_size, default=0,
-                   help="HAProxy tune.bufsize (default: Debian's default, 16384)")
-    p.add_argument("--fwd-chunk", type=parse_size, default=64 << 10,
-                   help="arm E: the forwarder's userspace_plane.CHUNK (default 64KiB; the module's is 256KiB)")
+                   help="HAProxy tune.bufsize for arms B and D (default: HAProxy's own, 16384)")
+    p.add_argument("--haproxy-big-bufsize", type=parse_size, default=256 << 10,
+                   help="HAProxy tune.bufsize for arms G and H (default 256KiB)")
+    p.add_argument("--fwd-chunk", type=parse_size, default=1 << 20,
+                   help="arms E, F: the forwarder's userspace_plane.CHUNK (default 1MiB; the module's is 256KiB)")
     p.add_argument("--json", help="also write every trial as JSON to this file")
     p.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, certs)")
     return runner_main(p.parse_args())
