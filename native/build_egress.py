@@ -1,10 +1,18 @@
 """cffi build of the egress packet core (``native._egress``); wrapped by ``forwarder.egress.fastpath``."""
 
+import os
 from pathlib import Path
 
 from cffi import FFI
 
 _here = Path(__file__).parent
+
+
+def _rel(name: str) -> str:
+    # setuptools refuses absolute source paths; relative to the working directory (the repo root
+    # when setup.py runs) this is native/<name> however the file was imported.
+    return os.path.relpath(_here / name)
+
 
 CDEF = """
 #define EG_VNET_HDR_LEN 10
@@ -59,9 +67,9 @@ ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "native._egress",
     '#include "egress_core.h"',
-    sources=[str(_here / "egress_core.c")],
-    include_dirs=[str(_here)],
-    depends=[str(_here / "egress_core.h")],
+    sources=[_rel("egress_core.c")],
+    include_dirs=[_rel(".")],
+    depends=[_rel("egress_core.h")],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
 )
 

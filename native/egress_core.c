@@ -64,32 +64,24 @@ static inline uint16_t fold64(uint64_t s)
 }
 
 /* The sum is taken in the machine's byte order and swapped once at the end: ones' complement addition
- * commutes with byte swapping (RFC 1071 section 2B), so no per-word swap is needed. Loads go through
- * memcpy, so any alignment is fine; 128-bit accumulators let the compiler use add-with-carry and keep
- * four independent dependency chains in flight. */
-static uint16_t sum_native(const uint8_t *p, size_t n)
+ * commutes with byte swapping (RFC 1071 section 2B), so no per-word swap is needed. `acc_*` return a
+ * 64-bit ones' complement accumulator (end-around carries kept); `finish` folds and swaps it. */
+static inline uint64_t add64(uint64_t s, uint64_t v)
 {
-    unsigned __int128 a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    uint64_t w0, w1, w2, w3;
-    while (n >= 32) {
-        memcpy(&w0, p, 8);
-        memcpy(&w1, p + 8, 8);
-        memcpy(&w2, p + 16, 8);
-        memcpy(&w3, p + 24, 8);
-        a0 += w0;
-        a1 += w1;
-        a2 += w2;
-        a3 += w3;
-        p += 32;
-        n -= 32;
-    }
+    s += v;
+    return s + (s < v);
+}
+
+static uint64_t acc_tail(const uint8_t *p, size_t n, uint64_t s)
+{
+    uint64_t tail = 0;
     while (n >= 8) {
-        memcpy(&w0, p, 8);
-        a0 += w0;
+        uint64_t w;
+        memcpy(&w, p, 8);
+        s = add64(s, w);
         p += 8;
         n -= 8;
     }
-    uint64_t tail = 0;
     if (n >= 4) {
         uint32_t v;
         memcpy(&v, p, 4);
@@ -111,20 +103,149 @@ static uint16_t sum_native(const uint8_t *p, size_t n)
         tail += (uint64_t)p[0] << 8;
 #endif
     }
+    return add64(s, tail);
+}
+
+#if defined(__x86_64__) && !defined(EG_NO_ASM)
+/* One add-with-carry chain, 64 bytes per iteration, as Linux's csum_partial does on x86-64: the carry
+ * flag is the accumulator's 65th bit, so no compare per word. After an adc that carries out the register
+ * is at most 2^64 - 2, so the closing `adcq $0` cannot carry out again. */
+static uint64_t acc_adc(const uint8_t *p, size_t n, uint64_t s)
+{
+    while (n >= 64) {
+        __asm__("addq 0(%[p]), %[s]\n\t"
+                "adcq 8(%[p]), %[s]\n\t"
+                "adcq 16(%[p]), %[s]\n\t"
+                "adcq 24(%[p]), %[s]\n\t"
+                "adcq 32(%[p]), %[s]\n\t"
+                "adcq 40(%[p]), %[s]\n\t"
+                "adcq 48(%[p]), %[s]\n\t"
+                "adcq 56(%[p]), %[s]\n\t"
+                "adcq $0, %[s]"
+                : [s] "+r"(s)
+                : [p] "r"(p)
+                : "cc", "memory");
+        p += 64;
+        n -= 64;
+    }
+    return acc_tail(p, n, s);
+}
+
+#ifndef EG_NO_AVX2
+/* AVX2: each 32-bit lane adds the two 16-bit words it holds, so one load serves 16 words; a lane grows
+ * by at most 2 * 0xFFFF per 64 bytes, so lanes are flushed every 1 MiB, far before they could wrap.
+ * The copying variant reads the payload once for both the copy and the sum. */
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+#define AVX2_BLOCK (1u << 20)
+
+__attribute__((target("avx2"))) static uint64_t hsum(v8u32 a, v8u32 b, uint64_t s)
+{
+    a += b;
+    uint64_t t = 0;
+    for (int i = 0; i < 8; i++)
+        t += a[i];
+    return add64(s, t);
+}
+
+__attribute__((target("avx2"))) static uint64_t acc_avx2(const uint8_t *p, size_t n, uint64_t s)
+{
+    while (n >= 64) {
+        size_t blk = n < AVX2_BLOCK ? n : AVX2_BLOCK;
+        v8u32 a = {0}, b = {0}, w, x;
+        for (; blk >= 64; blk -= 64, n -= 64, p += 64) {
+            memcpy(&w, p, 32);
+            memcpy(&x, p + 32, 32);
+            a += (w & 0xffff) + (w >> 16);
+            b += (x & 0xffff) + (x >> 16);
+        }
+        s = hsum(a, b, s);
+    }
+    return acc_tail(p, n, s);
+}
+
+__attribute__((target("avx2"))) static uint64_t acc_copy_avx2(uint8_t *d, const uint8_t *p, size_t n, uint64_t s)
+{
+    while (n >= 64) {
+        size_t blk = n < AVX2_BLOCK ? n : AVX2_BLOCK;
+        v8u32 a = {0}, b = {0}, w, x;
+        for (; blk >= 64; blk -= 64, n -= 64, p += 64, d += 64) {
+            memcpy(&w, p, 32);
+            memcpy(&x, p + 32, 32);
+            memcpy(d, &w, 32);
+            memcpy(d + 32, &x, 32);
+            a += (w & 0xffff) + (w >> 16);
+            b += (x & 0xffff) + (x >> 16);
+        }
+        s = hsum(a, b, s);
+    }
+    memcpy(d, p, n);
+    return acc_tail(d, n, s);
+}
+
+static inline int use_avx2(void) { return __builtin_cpu_supports("avx2"); }
+#else
+static inline int use_avx2(void) { return 0; }
+#define acc_avx2(p, n, s) acc_adc(p, n, s)
+#define acc_copy_avx2(d, p, n, s) (memcpy(d, p, n), acc_adc(d, n, s))
+#endif
+
+static uint64_t acc_native(const uint8_t *p, size_t n, uint64_t s)
+{
+    return use_avx2() ? acc_avx2(p, n, s) : acc_adc(p, n, s);
+}
+
+static uint64_t acc_copy(uint8_t *d, const uint8_t *p, size_t n, uint64_t s)
+{
+    if (use_avx2())
+        return acc_copy_avx2(d, p, n, s);
+    memcpy(d, p, n);
+    return acc_adc(d, n, s);
+}
+#else
+/* Portable: 128-bit accumulators let the compiler use add-with-carry on four independent chains. */
+static uint64_t acc_native(const uint8_t *p, size_t n, uint64_t s)
+{
+    unsigned __int128 a0 = s, a1 = 0, a2 = 0, a3 = 0;
+    uint64_t w0, w1, w2, w3;
+    while (n >= 32) {
+        memcpy(&w0, p, 8);
+        memcpy(&w1, p + 8, 8);
+        memcpy(&w2, p + 16, 8);
+        memcpy(&w3, p + 24, 8);
+        a0 += w0;
+        a1 += w1;
+        a2 += w2;
+        a3 += w3;
+        p += 32;
+        n -= 32;
+    }
     a0 += a1;
     a2 += a3;
     a0 += a2;
-    a0 += tail;
-    /* fold 128 -> 64 with end-around carry: 2^64 == 1 (mod 2^16 - 1) */
-    uint64_t lo = (uint64_t)a0, hi = (uint64_t)(a0 >> 64);
-    uint64_t s = lo + hi;
-    s += (s < lo);
+    /* 2^64 == 1 (mod 2^16 - 1) */
+    return acc_tail(p, n, add64((uint64_t)a0, (uint64_t)(a0 >> 64)));
+}
+
+static uint64_t acc_copy(uint8_t *d, const uint8_t *p, size_t n, uint64_t s)
+{
+    memcpy(d, p, n);
+    return acc_native(d, n, s);
+}
+#endif
+
+static uint16_t finish(uint64_t s)
+{
     uint16_t r = fold64(s);
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     r = (uint16_t)((r >> 8) | (r << 8));
 #endif
     return r;
 }
+
+static uint16_t sum_native(const uint8_t *p, size_t n) { return finish(acc_native(p, n, 0)); }
+
+/* Folded big-endian sum of src[0..n), copied to dst on the way. */
+static uint16_t csum_copy(uint8_t *dst, const uint8_t *src, size_t n) { return finish(acc_copy(dst, src, n, 0)); }
 
 static inline uint16_t add16(uint32_t a, uint32_t b) { return fold32(a + b); }
 
@@ -373,9 +494,8 @@ static void write_out(const struct opkt *k, const struct eg_out_params *p, const
             wr16(t + 4, l4h + len);
         }
         wr16(t + coff, 0);
-        memcpy(q + hl, pay + off, len);
         uint16_t s = add16(pseudo_sum(p->claim, dst, k->proto, l4h + len), eg_csum(t, l4h, 0));
-        uint16_t v = (uint16_t)~eg_csum(pay + off, len, s);
+        uint16_t v = (uint16_t)~add16(csum_copy(q + hl, pay + off, len), s);
         if (!tcp && v == 0)
             v = 0xffff;
         wr16(t + coff, v);
@@ -509,24 +629,30 @@ static int in_gro_table(uint32_t a, const uint32_t *t, uint32_t n)
 }
 
 /* A TCP segment that may start or join a merged frame: plain ACK data (PSH allowed), no IP options or
- * fragments, DF set, both checksums right (a bad one is delivered alone for the guest to drop). */
-static int gro_candidate(const uint8_t *ip, uint32_t ip_len)
+ * fragments, DF set. Its checksums are checked as it is copied (gro_sums_ok): a bad one is delivered
+ * alone, for the guest to drop. */
+static int gro_shape(const uint8_t *ip, uint32_t ip_len)
 {
     if (ip[0] != 0x45 || ip[9] != 6 || ip_len < 40)
         return 0;
-    if ((rd16(ip + 6) & ~IP_DF) != 0 || !(rd16(ip + 6) & IP_DF))
+    if (rd16(ip + 6) != IP_DF)
         return 0;
     const uint8_t *t = ip + 20;
     uint32_t thlen = (uint32_t)(t[12] >> 4) * 4;
     if (thlen < 20 || thlen >= ip_len - 20) /* needs payload */
         return 0;
     uint8_t fl = t[13];
-    if (!(fl & TH_ACK) || (fl & (TH_SYN | TH_FIN | TH_RST | TH_URG | TH_CWR)))
-        return 0;
+    return (fl & TH_ACK) && !(fl & (TH_SYN | TH_FIN | TH_RST | TH_URG | TH_CWR));
+}
+
+/* Both checksums right, given the sum of the payload (taken while copying it). */
+static int gro_sums_ok(const uint8_t *ip, uint32_t ip_len, uint16_t payload_sum)
+{
+    uint32_t thlen = (uint32_t)(ip[32] >> 4) * 4;
     if (eg_csum(ip, 20, 0) != 0xffff)
         return 0;
-    uint16_t s = pseudo_sum(rd32(ip + 12), rd32(ip + 16), 6, ip_len - 20);
-    return eg_csum(t, ip_len - 20, s) == 0xffff;
+    uint16_t s = add16(pseudo_sum(rd32(ip + 12), rd32(ip + 16), 6, ip_len - 20), payload_sum);
+    return eg_csum(ip + 20, thlen, s) == 0xffff;
 }
 
 static int gro_fits(const struct gro *g, const uint8_t *head, const uint8_t *ip, uint32_t ip_len)
@@ -608,40 +734,43 @@ uint32_t eg_inbound_batch(const uint8_t *in, size_t in_len, const uint32_t *offs
         }
         r->dst = rd32(ip + 16);
         int cand = n_gro && gro_addrs && ip[9] == 6 && in_gro_table(r->dst, gro_addrs, n_gro) &&
-                   gro_candidate(ip, tot);
+                   gro_shape(ip, tot);
+        uint32_t thlen = cand ? (uint32_t)(ip[32] >> 4) * 4 : 0, payload = cand ? tot - 20 - thlen : 0;
         if (cand && g.active) {
             uint8_t *fr = out + g.off, *head = fr + 4 + EG_VNET_HDR_LEN;
-            uint32_t thlen = g.thlen, payload = tot - 20 - thlen;
             if (gro_fits(&g, head, ip, tot) && payload <= out_cap - pos) {
-                memcpy(out + pos, ip + 20 + thlen, payload);
-                pos += payload;
-                g.ip_len += payload;
-                g.next_seq += payload;
-                g.nseg++;
-                if (payload < g.mss)
-                    g.closed = 1;
-                uint8_t *ht = head + 20;
-                if (ip[20 + 13] & TH_PSH) {
-                    ht[13] |= TH_PSH;
-                    g.closed = 1;
+                /* Copied before its checksums are known: past `pos` is scratch until committed. */
+                if (gro_sums_ok(ip, tot, csum_copy(out + pos, ip + 20 + thlen, payload))) {
+                    pos += payload;
+                    g.ip_len += payload;
+                    g.next_seq += payload;
+                    g.nseg++;
+                    if (payload < g.mss)
+                        g.closed = 1;
+                    uint8_t *ht = head + 20;
+                    if (ip[20 + 13] & TH_PSH) {
+                        ht[13] |= TH_PSH;
+                        g.closed = 1;
+                    }
+                    wr32(fr, EG_VNET_HDR_LEN + g.ip_len);
+                    uint8_t *vh = fr + 4;
+                    vh[0] = VNET_NEEDS_CSUM;
+                    vh[1] = GSO_TCPV4;
+                    wrle16(vh + 2, 20 + thlen);
+                    wrle16(vh + 4, g.mss);
+                    wrle16(vh + 6, 20);
+                    wrle16(vh + 8, 16);
+                    wr16(head + 2, g.ip_len);
+                    wr16(head + 10, 0);
+                    wr16(head + 10, (uint16_t)~eg_csum(head, 20, 0));
+                    wr16(ht + 16, pseudo_sum(rd32(head + 12), rd32(head + 16), 6, g.ip_len - 20));
+                    res[g.head].len = 4 + EG_VNET_HDR_LEN + g.ip_len;
+                    r->status = EG_MERGED;
+                    r->off = (uint32_t)g.off;
+                    r->len = res[g.head].len;
+                    continue;
                 }
-                wr32(fr, EG_VNET_HDR_LEN + g.ip_len);
-                uint8_t *vh = fr + 4;
-                vh[0] = VNET_NEEDS_CSUM;
-                vh[1] = GSO_TCPV4;
-                wrle16(vh + 2, 20 + thlen);
-                wrle16(vh + 4, g.mss);
-                wrle16(vh + 6, 20);
-                wrle16(vh + 8, 16);
-                wr16(head + 2, g.ip_len);
-                wr16(head + 10, 0);
-                wr16(head + 10, (uint16_t)~eg_csum(head, 20, 0));
-                wr16(ht + 16, pseudo_sum(rd32(head + 12), rd32(head + 16), 6, g.ip_len - 20));
-                res[g.head].len = 4 + EG_VNET_HDR_LEN + g.ip_len;
-                r->status = EG_MERGED;
-                r->off = (uint32_t)g.off;
-                r->len = res[g.head].len;
-                continue;
+                cand = 0;
             }
         }
         size_t need = 4 + EG_VNET_HDR_LEN + (size_t)tot;
@@ -653,10 +782,15 @@ uint32_t eg_inbound_batch(const uint8_t *in, size_t in_len, const uint32_t *offs
             }
             break;
         }
-        uint8_t *fr = out + pos;
+        uint8_t *fr = out + pos, *q = fr + 4 + EG_VNET_HDR_LEN;
         wr32(fr, EG_VNET_HDR_LEN + tot);
         memset(fr + 4, 0, EG_VNET_HDR_LEN);
-        memcpy(fr + 4 + EG_VNET_HDR_LEN, ip, tot);
+        if (cand) {
+            memcpy(q, ip, 20 + thlen);
+            cand = gro_sums_ok(ip, tot, csum_copy(q + 20 + thlen, ip + 20 + thlen, payload));
+        } else {
+            memcpy(q, ip, tot);
+        }
         r->status = EG_OK;
         r->off = (uint32_t)pos;
         r->len = (uint32_t)need;
@@ -667,8 +801,8 @@ uint32_t eg_inbound_batch(const uint8_t *in, size_t in_len, const uint32_t *offs
             g.head = i;
             g.off = pos;
             g.ip_len = tot;
-            g.thlen = (uint32_t)(t[12] >> 4) * 4;
-            g.mss = tot - 20 - g.thlen;
+            g.thlen = thlen;
+            g.mss = payload;
             g.next_seq = rd32(t + 4) + g.mss;
             g.nseg = 1;
         }
