@@ -17,10 +17,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "egress"))
 
-from core_packets import CLAIM, PREFIX, REMOTE, VNI, csum_frame, tcp, vnet, vxlan_datagram  # noqa: E402
+from core_packets import CLAIM, PREFIX, REMOTE, VNI, csum_frame, tcp, vnet, vxlan_datagram
 
-from forwarder.egress import core_types as ct  # noqa: E402
-from forwarder.egress import fastpath as fp  # noqa: E402
+from forwarder.egress import core_types as ct
+from forwarder.egress import fastpath as fp
 
 PARAMS = ct.OutParams(claim=CLAIM, prefix=PREFIX, mtu=1500, max_segs=128)
 
