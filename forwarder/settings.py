@@ -6,11 +6,8 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, FilePath, field_validator, model_validator
+from pydantic import Field, FilePath, IPvAnyAddress, IPvAnyNetwork, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-
-IPNet = ipaddress.IPv4Network | ipaddress.IPv6Network
-
 
 def _split_list(value: object) -> object:
     # Environment variables carry lists as comma-separated text; TOML carries real arrays.
@@ -22,9 +19,9 @@ def _split_list(value: object) -> object:
 class ForwarderSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SBXNET_FORWARDER_", extra="forbid", frozen=True)
 
-    listen_host: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv4Address("0.0.0.0")
+    listen_host: IPvAnyAddress = ipaddress.IPv4Address("0.0.0.0")
     listen_port: int = Field(8443, ge=1, le=65535)
-    metrics_host: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv4Address("127.0.0.1")
+    metrics_host: IPvAnyAddress = ipaddress.IPv4Address("127.0.0.1")
     metrics_port: int = Field(9464, ge=0, le=65535, description="0 disables /metrics, /healthz, /readyz")
 
     cert_file: FilePath
@@ -34,8 +31,8 @@ class ForwarderSettings(BaseSettings):
         min_length=1, description="URI/DNS SAN patterns; '*' matches one whole segment"
     )
 
-    sandbox_prefixes: Annotated[list[IPNet], NoDecode] = Field(min_length=1)
-    allow_targets: Annotated[list[IPNet], NoDecode] = Field(
+    sandbox_prefixes: Annotated[list[IPvAnyNetwork], NoDecode] = Field(min_length=1)
+    allow_targets: Annotated[list[IPvAnyNetwork], NoDecode] = Field(
         default_factory=list, description="explicit exceptions to the always-refused address classes"
     )
 

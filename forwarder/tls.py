@@ -9,6 +9,7 @@ from __future__ import annotations
 import ssl
 
 from forwarder.settings import ForwarderSettings
+from sbxnet.errors import SbxnetError
 
 
 def server_context(settings: ForwarderSettings) -> ssl.SSLContext:
@@ -57,6 +58,8 @@ def handshake_failure_reason(exc: BaseException) -> str:
         if "NO_SHARED_CIPHER" in r or "NO_SUITABLE" in r:
             return "no_shared_cipher"
         return "tls_error"
+    if isinstance(exc, SbxnetError):
+        return exc.reason
     if isinstance(exc, TimeoutError):
         return "timeout"
     if isinstance(exc, ConnectionResetError):

@@ -34,7 +34,9 @@ def _read_section(config_file: Path, section: str) -> dict[str, Any]:
 def format_validation_error(e: ValidationError, section: str, env_prefix: str) -> str:
     lines = []
     for err in e.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(settings)"
+        # Union members show up in the location as validator descriptions; keep only names and indexes.
+        loc = [p for p in err["loc"] if isinstance(p, int) or (isinstance(p, str) and p.isidentifier())]
+        field = ".".join(str(p) for p in loc) or "(settings)"
         top = str(err["loc"][0]) if err["loc"] else ""
         value = err.get("input")
         if err["type"] == "extra_forbidden":

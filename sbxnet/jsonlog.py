@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-_CONTEXT_KEYS = ("component", "sandbox_id", "conn_id", "peer", "reason", "target", "event", "plane", "pid")
+_CONTEXT_KEYS = ("component", "sandbox_id", "conn_id", "peer", "reason", "target", "event", "plane")
 
 
 class JsonFormatter(logging.Formatter):
@@ -17,6 +17,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            "pid": record.process,
         }
         for key in _CONTEXT_KEYS:
             value = record.__dict__.get(key)

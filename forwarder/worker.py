@@ -1,0 +1,20 @@
+"""Entry point of one worker process: settings arrive as JSON on stdin from the supervisor."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from forwarder.run import run_single
+from forwarder.settings import ForwarderSettings
+from sbxnet import jsonlog
+
+
+def main() -> int:
+    settings = ForwarderSettings(**json.loads(sys.stdin.read()))
+    jsonlog.setup(settings.log_level)
+    return run_single(settings, reuse_port=True, ops=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
