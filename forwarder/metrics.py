@@ -15,7 +15,9 @@ class ForwarderMetrics:
             "sbxnet_forwarder_connections", "Connections by final outcome", ["outcome"], registry=r
         )
         self.open_connections = Gauge(
-            "sbxnet_forwarder_open_connections", "Connections being served now", registry=r,
+            "sbxnet_forwarder_open_connections",
+            "Connections being served now",
+            registry=r,
             multiprocess_mode="livesum",
         )
         self.bytes = Counter(
@@ -34,13 +36,17 @@ class ForwarderMetrics:
             "sbxnet_forwarder_connect_attempts", "TCP connect attempts to sandboxes", registry=r
         )
         self.connect_latency = Histogram(
-            "sbxnet_forwarder_connect_seconds", "Time to connect to the sandbox, retries included",
-            ["result"], buckets=CONNECT_BUCKETS, registry=r,
+            "sbxnet_forwarder_connect_seconds",
+            "Time to connect to the sandbox, retries included",
+            ["result"],
+            buckets=CONNECT_BUCKETS,
+            registry=r,
         )
         self.data_plane = Gauge(
-            "sbxnet_forwarder_data_plane", "Data plane serving (1 = in use)", ["plane"], registry=r,
+            "sbxnet_forwarder_data_plane",
+            "Data plane serving (1 = in use)",
+            ["plane"],
+            registry=r,
             multiprocess_mode="max",
         )
-        self.reloads = Counter(
-            "sbxnet_forwarder_cert_reloads", "Certificate reloads by result", ["result"], registry=r
-        )
+        self.reloads = Counter("sbxnet_forwarder_cert_reloads", "Certificate reloads by result", ["result"], registry=r)

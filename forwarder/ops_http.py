@@ -46,8 +46,10 @@ class OpsServer:
             elif path == "/healthz":
                 out = _response("200 OK", b"ok\n")
             elif path == "/readyz":
-                out = _response("200 OK", b"ready\n") if self._ready() else _response(
-                    "503 Service Unavailable", b"not ready\n"
+                out = (
+                    _response("200 OK", b"ready\n")
+                    if self._ready()
+                    else _response("503 Service Unavailable", b"not ready\n")
                 )
             else:
                 out = _response("404 Not Found", b"not found\n")

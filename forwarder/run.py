@@ -72,12 +72,17 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> 
         try:
             port = await ops_server.start(str(settings.metrics_host), settings.metrics_port)
         except OSError as e:
-            print(f"forwarder: cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: "
-                  f"{e.strerror} (choose another metrics_port, or 0 to disable)", file=sys.stderr)
+            print(
+                f"forwarder: cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                f"{e.strerror} (choose another metrics_port, or 0 to disable)",
+                file=sys.stderr,
+            )
             await server.drain(0)
             return 1
-        log.info("ops endpoints up", extra={"event": "ops_listening",
-                 "fields": {"address": f"{settings.metrics_host}:{port}"}})
+        log.info(
+            "ops endpoints up",
+            extra={"event": "ops_listening", "fields": {"address": f"{settings.metrics_host}:{port}"}},
+        )
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -135,8 +135,11 @@ class ForwarderServer:
         self._flush_task = asyncio.create_task(self._flush_loop(), name="metrics-flush")
         log.info(
             "forwarder listening",
-            extra={"event": "listening", "plane": self.plane.name,
-                   "fields": {"address": f"{s.listen_host}:{self.port}", "max_connections": s.max_connections}},
+            extra={
+                "event": "listening",
+                "plane": self.plane.name,
+                "fields": {"address": f"{s.listen_host}:{self.port}", "max_connections": s.max_connections},
+            },
         )
 
     def reload(self) -> bool:
@@ -146,8 +149,10 @@ class ForwarderServer:
             ctx = server_context(self.settings)
         except (OSError, ssl.SSLError, ValueError) as e:
             self.metrics.reloads.labels("failed").inc()
-            log.error("certificate reload failed; keeping the current certificates",
-                      extra={"event": "reload_failed", "reason": type(e).__name__, "fields": {"error": str(e)}})
+            log.error(
+                "certificate reload failed; keeping the current certificates",
+                extra={"event": "reload_failed", "reason": type(e).__name__, "fields": {"error": str(e)}},
+            )
             return False
         self.ctx = ctx
         self.metrics.reloads.labels("ok").inc()
@@ -253,6 +258,9 @@ class ForwarderServer:
         s = self.settings
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        on_accept = getattr(self.plane, "on_accept", None)
+        if on_accept is not None:
+            on_accept(sock)  # the ktls plane attaches the TLS ULP while the socket is ESTABLISHED
         link = TlsLink(sock, self.ctx)
         try:
             async with asyncio.timeout(s.handshake_timeout):
@@ -268,8 +276,15 @@ class ForwarderServer:
         who = self.acl.first_match(sans)
         if who is None:
             self.metrics.handshake_rejects.labels("san_not_allowed").inc()
-            log.warning("peer not on the allowlist", extra={**ctx, "event": "handshake_refused",
-                        "reason": "san_not_allowed", "fields": {"peer_sans": sans[:8]}})
+            log.warning(
+                "peer not on the allowlist",
+                extra={
+                    **ctx,
+                    "event": "handshake_refused",
+                    "reason": "san_not_allowed",
+                    "fields": {"peer_sans": sans[:8]},
+                },
+            )
             await self._finish(link, Status.FORBIDDEN)
             return "handshake_refused"
         ctx["client"] = who
@@ -299,15 +314,25 @@ class ForwarderServer:
             return "forbidden"
 
         result = await connect_with_retry(
-            canonical(preamble.dst), preamble.dst_port,  # connect to exactly what was judged
-            deadline_s=s.connect_deadline, syn_interval=s.connect_syn_interval,
-            backoff_initial=s.connect_backoff_initial, backoff_cap=s.connect_backoff_cap,
+            canonical(preamble.dst),
+            preamble.dst_port,  # connect to exactly what was judged
+            deadline_s=s.connect_deadline,
+            syn_interval=s.connect_syn_interval,
+            backoff_initial=s.connect_backoff_initial,
+            backoff_cap=s.connect_backoff_cap,
         )
         self.metrics.connect_attempts.inc(result.attempts)
         self.metrics.connect_latency.labels("ok" if result.sock else "failed").observe(result.elapsed)
         if result.sock is None:
-            log.warning("sandbox not listening", extra={**ctx, "event": "not_listening", "reason": result.last_error,
-                        "fields": {"attempts": result.attempts, "elapsed_ms": round(result.elapsed * 1000, 1)}})
+            log.warning(
+                "sandbox not listening",
+                extra={
+                    **ctx,
+                    "event": "not_listening",
+                    "reason": result.last_error,
+                    "fields": {"attempts": result.attempts, "elapsed_ms": round(result.elapsed * 1000, 1)},
+                },
+            )
             await self._finish(link, Status.NOT_LISTENING)
             return "not_listening"
 
@@ -320,17 +345,34 @@ class ForwarderServer:
             return Outcome.RESET_GATEWAY.value
         meter = self.meter.open(preamble.sandbox_id, ctx["conn_id"])
         started = time.monotonic()
-        log.info("connected", extra={**ctx, "event": "connected", "plane": self.plane.name,
-                 "fields": {"attempts": result.attempts, "connect_ms": round(result.elapsed * 1000, 2)}})
+        log.info(
+            "connected",
+            extra={
+                **ctx,
+                "event": "connected",
+                "plane": self.plane.name,
+                "fields": {"attempts": result.attempts, "connect_ms": round(result.elapsed * 1000, 2)},
+            },
+        )
         try:
             outcome = await self.plane.run(
                 Handoff(link=link, upstream=upstream, leftover=leftover, meter=meter, close_timeout=s.close_timeout)
             )
         finally:
             self.meter.close(meter)
-        log.info("closed", extra={**ctx, "event": "closed", "fields": {
-            "outcome": outcome.value, "bytes_up": meter.up, "bytes_down": meter.down,
-            "seconds": round(time.monotonic() - started, 3)}})
+        log.info(
+            "closed",
+            extra={
+                **ctx,
+                "event": "closed",
+                "fields": {
+                    "outcome": outcome.value,
+                    "bytes_up": meter.up,
+                    "bytes_down": meter.down,
+                    "seconds": round(time.monotonic() - started, 3),
+                },
+            },
+        )
         return outcome.value
 
     async def _read_preamble(self, link: TlsLink) -> tuple[Preamble, bytes]:

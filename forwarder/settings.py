@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, FilePath, IPvAnyAddress, IPvAnyNetwork, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+
 def _split_list(value: object) -> object:
     # Environment variables carry lists as comma-separated text; TOML carries real arrays.
     if isinstance(value, str):
@@ -51,9 +52,7 @@ class ForwarderSettings(BaseSettings):
     workers: int = Field(1, ge=0, le=256, description="processes sharing the port; 0 = one per core")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    _split = field_validator("client_san_allow", "sandbox_prefixes", "allow_targets", mode="before")(
-        _split_list
-    )
+    _split = field_validator("client_san_allow", "sandbox_prefixes", "allow_targets", mode="before")(_split_list)
 
     @field_validator("client_san_allow")
     @classmethod

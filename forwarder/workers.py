@@ -109,8 +109,10 @@ class _Supervisor:
             try:
                 await ops.start(str(s.metrics_host), s.metrics_port)
             except OSError as e:
-                print(f"forwarder: cannot serve /metrics on {s.metrics_host}:{s.metrics_port}: {e.strerror}",
-                      file=sys.stderr)
+                print(
+                    f"forwarder: cannot serve /metrics on {s.metrics_host}:{s.metrics_port}: {e.strerror}",
+                    file=sys.stderr,
+                )
                 self._signal_all(signal.SIGTERM)
                 return 1
         rc = 0
@@ -127,8 +129,7 @@ class _Supervisor:
                 multiprocess.mark_process_dead(pid, self.metrics_dir)
                 now = time.monotonic()
                 self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
-                log.error("worker exited", extra={"event": "worker_exited", "pid": pid,
-                          "fields": {"code": code}})
+                log.error("worker exited", extra={"event": "worker_exited", "pid": pid, "fields": {"code": code}})
                 if code == 1 and not self.restarts[:-1]:
                     # A worker that cannot even start (port taken, bad material) will not do better
                     # on a restart: stop everything and say so.

@@ -234,8 +234,12 @@ class GwClient:
 def preamble_for(port: int, sandbox_id: str = "sbx-1", dst: str = "127.0.0.1", **kw: Any) -> bytes:
     return push_preamble(
         Preamble(
-            src=ipaddress.ip_address("203.0.113.7"), src_port=40000, dst=ipaddress.ip_address(dst),
-            dst_port=port, sandbox_id=sandbox_id, **kw,
+            src=ipaddress.ip_address("203.0.113.7"),
+            src_port=40000,
+            dst=ipaddress.ip_address(dst),
+            dst_port=port,
+            sandbox_id=sandbox_id,
+            **kw,
         )
     )
 

@@ -58,7 +58,9 @@ class Proc:
         self.port = config_port(config)
         self.p = subprocess.Popen(
             [*SBXNET, "forwarder", "--config", str(config), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
 
     def wait_listening(self, timeout: float = 20) -> None:
@@ -124,7 +126,9 @@ BAD = [
 
 
 @pytest.mark.parametrize(("bad", "message"), BAD, ids=[next(iter(b)) for b, _ in BAD])
-def test_bad_config_names_field_value_and_exits_2(tmp_path: Path, pki: Pki, bad: dict[str, object], message: str) -> None:
+def test_bad_config_names_field_value_and_exits_2(
+    tmp_path: Path, pki: Pki, bad: dict[str, object], message: str
+) -> None:
     cfg = write_config(tmp_path / "f.toml", pki)
     text = cfg.read_text()
     for key, value in bad.items():
@@ -141,7 +145,9 @@ def test_bad_config_names_field_value_and_exits_2(tmp_path: Path, pki: Pki, bad:
 def test_bad_environment_value(tmp_path: Path, pki: Pki) -> None:
     cfg = write_config(tmp_path / "f.toml", pki)
     env = {**os.environ, "SBXNET_FORWARDER_LISTEN_PORT": "eighty"}
-    r = subprocess.run([*SBXNET, "forwarder", "--config", str(cfg), "--check"], capture_output=True, env=env, timeout=30)
+    r = subprocess.run(
+        [*SBXNET, "forwarder", "--config", str(cfg), "--check"], capture_output=True, env=env, timeout=30
+    )
     assert r.returncode == 2
     assert "forwarder.listen_port = 'eighty'" in r.stderr.decode()
     assert "SBXNET_FORWARDER_LISTEN_PORT" in r.stderr.decode()
@@ -150,7 +156,9 @@ def test_bad_environment_value(tmp_path: Path, pki: Pki) -> None:
 def test_environment_overrides_file(tmp_path: Path, pki: Pki, procs: list[Proc]) -> None:
     cfg = write_config(tmp_path / "f.toml", pki)
     env = {**os.environ, "SBXNET_FORWARDER_SANDBOX_PREFIXES": "10.0.0.0/8,127.0.0.0/8"}
-    r = subprocess.run([*SBXNET, "forwarder", "--config", str(cfg), "--check"], capture_output=True, env=env, timeout=30)
+    r = subprocess.run(
+        [*SBXNET, "forwarder", "--config", str(cfg), "--check"], capture_output=True, env=env, timeout=30
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -225,8 +233,11 @@ def test_sighup_reloads_certificates_without_dropping_live_connections(
     leaf = mint_leaf(pki.ca, "forwarder", dns=("localhost",), ips=("127.0.0.1",))
     cert, key = write_issued(leaf, certdir, "forwarder")
     cfg = write_config(tmp_path / "f.toml", pki)
-    cfg.write_text(cfg.read_text().replace(str(pki.paths["forwarder"][0]), str(cert)).replace(
-        str(pki.paths["forwarder"][1]), str(key)))
+    cfg.write_text(
+        cfg.read_text()
+        .replace(str(pki.paths["forwarder"][0]), str(cert))
+        .replace(str(pki.paths["forwarder"][1]), str(key))
+    )
     proc = Proc(cfg)
     procs.append(proc)
     proc.wait_listening()
@@ -290,6 +301,7 @@ def test_two_workers_share_the_port_and_sum_metrics(tmp_path: Path, pki: Pki, pr
         c.close_write()
         assert c.recv_all() == hashlib.sha256(hashlib.sha256(data).digest()).digest()
         c.close()
+
     def samples() -> dict[tuple[str, str], float]:
         from prometheus_client.parser import text_string_to_metric_families
 

@@ -27,9 +27,7 @@ def _never(conn: object) -> None:
         ("gateway", True, "protocol_version"),
     ],
 )
-def test_handshake_refusals(
-    forwarder: ForwarderThread, pki: Pki, stem: str | None, tls12: bool, reason: str
-) -> None:
+def test_handshake_refusals(forwarder: ForwarderThread, pki: Pki, stem: str | None, tls12: bool, reason: str) -> None:
     app = SandboxApp(_never)
     client = GwClient(forwarder.port, pki.client_ctx(stem, tls12_only=tls12))
     with pytest.raises((ssl.SSLError, ConnectionError, EOFError)):
@@ -80,8 +78,11 @@ def test_bad_preambles_refused_without_connect(forwarder: ForwarderThread, pki: 
     forwarder.wait_idle()
     assert app.accepted == 0
     total = sum(
-        s.value for m in forwarder.server.metrics.registry.collect() if m.name == "sbxnet_forwarder_preamble_rejects"
-        for s in m.samples if s.name.endswith("_total")
+        s.value
+        for m in forwarder.server.metrics.registry.collect()
+        if m.name == "sbxnet_forwarder_preamble_rejects"
+        for s in m.samples
+        if s.name.endswith("_total")
     )
     assert total == len(bad)
 
