@@ -7,10 +7,8 @@ import hashlib
 import ipaddress
 import os
 import random
-import selectors
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -19,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from certs.mint import Issued, mint_ca, mint_leaf, write_issued
+from gateway.link_client import LinkClient as GwClient
 from sbxnet.protocol.preamble import Preamble, push_preamble
-from sbxnet.protocol.status import Status, pull_status
+
+__all__ = ["GwClient"]  # re-exported for the tests
 
 TRUST_DOMAIN = "sbxnet.test"
 GATEWAY_URI = f"spiffe://{TRUST_DOMAIN}/gateway"
@@ -71,164 +71,6 @@ def make_pki(directory: Path) -> Pki:
 
 
 # -- the gateway side -------------------------------------------------------------------------------
-
-
-class GwClient:
-    """A gateway-like client over memory BIOs (so it can half-close: close_notify then FIN)."""
-
-    def __init__(self, port: int, ctx: ssl.SSLContext, *, host: str = "127.0.0.1", timeout: float = 30) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.inc, self.out = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self.tls = ctx.wrap_bio(self.inc, self.out, server_hostname="localhost")
-        self.plain = bytearray()
-        self.eof = False
-
-    def _flush(self) -> None:
-        data = self.out.read()
-        if data:
-            self.sock.sendall(data)
-
-    def handshake(self) -> None:
-        while True:
-            try:
-                self.tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                self._flush()
-                data = self.sock.recv(65536)
-                if not data:
-                    raise ConnectionAbortedError("eof during handshake") from None
-                self.inc.write(data)
-        self._flush()
-
-    def send(self, data: bytes) -> None:
-        self.tls.write(data)
-        self._flush()
-
-    def _decrypt_all(self) -> None:
-        while True:
-            try:
-                chunk = self.tls.read(1 << 16)
-            except ssl.SSLWantReadError:
-                return
-            except ssl.SSLZeroReturnError:
-                self.eof = True
-                return
-            if not chunk:
-                self.eof = True
-                return
-            self.plain += chunk
-
-    def fill(self) -> bool:
-        """One socket read, every complete record decrypted. False at end of stream."""
-        data = self.sock.recv(1 << 18)
-        if not data:
-            self.eof = True
-            return False
-        self.inc.write(data)
-        self._decrypt_all()
-        self._flush()
-        return not self.eof
-
-    def recv_exact(self, n: int) -> bytes:
-        while len(self.plain) < n:
-            if self.eof:
-                raise EOFError(f"eof after {len(self.plain)} of {n} bytes")
-            self.fill()
-        out = bytes(self.plain[:n])
-        del self.plain[:n]
-        return out
-
-    def recv_all(self) -> bytes:
-        while not self.eof and self.fill():
-            pass
-        out = bytes(self.plain)
-        self.plain.clear()
-        return out
-
-    def open(self, preamble: bytes) -> Status:
-        self.handshake()
-        self.send(preamble)
-        raw = self.recv_exact(4)
-        parsed = pull_status(raw)
-        assert parsed is not None
-        return parsed[0]
-
-    def close_write(self) -> None:
-        try:
-            self.tls.unwrap()
-        except ssl.SSLWantReadError:
-            pass
-        self._flush()
-        self.sock.shutdown(socket.SHUT_WR)
-
-    def abort(self) -> None:
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.sock.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def exchange(self, payload: bytes, *, chunk: int = 1 << 16) -> bytes:
-        """Send ``payload`` then close_notify+FIN while receiving until the far end's end of stream."""
-        self.sock.setblocking(False)
-        sel = selectors.DefaultSelector()
-        pending = b""
-        offset = 0
-        wrote_eof = False
-        received = hashlib.sha256()
-        received_len = 0
-        try:
-            while True:
-                if not pending and offset < len(payload):
-                    self.tls.write(payload[offset : offset + chunk])
-                    offset += chunk
-                    pending = self.out.read()
-                if not pending and offset >= len(payload) and not wrote_eof:
-                    try:
-                        self.tls.unwrap()
-                    except ssl.SSLWantReadError:
-                        pass
-                    pending = self.out.read()
-                    wrote_eof = True
-                if wrote_eof and not pending and self.sock.fileno() >= 0:
-                    try:
-                        self.sock.shutdown(socket.SHUT_WR)
-                    except OSError:
-                        pass
-                events = selectors.EVENT_READ | (selectors.EVENT_WRITE if pending else 0)
-                sel.register(self.sock, events)
-                ready = sel.select(timeout=30)
-                sel.unregister(self.sock)
-                if not ready:
-                    raise TimeoutError("exchange stalled for 30 s")
-                for _, mask in ready:
-                    if mask & selectors.EVENT_WRITE and pending:
-                        try:
-                            n = self.sock.send(pending)
-                        except BlockingIOError:
-                            n = 0
-                        pending = pending[n:]
-                    if mask & selectors.EVENT_READ:
-                        try:
-                            data = self.sock.recv(1 << 18)
-                        except BlockingIOError:
-                            continue
-                        if not data:
-                            self.eof = True
-                        else:
-                            self.inc.write(data)
-                            self._decrypt_all()
-                        received.update(self.plain)
-                        received_len += len(self.plain)
-                        self.plain.clear()
-                if self.eof and wrote_eof and not pending:
-                    break
-        finally:
-            sel.close()
-            self.sock.setblocking(True)
-        self.received_len = received_len
-        return received.digest()
 
 
 def preamble_for(port: int, sandbox_id: str = "sbx-1", dst: str = "127.0.0.1", **kw: Any) -> bytes:
