@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+import threading
 import time
 from typing import cast
 
@@ -18,6 +19,32 @@ from forwarder.planes import Handoff, Outcome, abort
 from forwarder.tls_link import MAX_RECORD_BODY
 
 CHUNK = 256 * 1024
+
+
+_per_thread = threading.local()
+
+
+def _receive_buffer() -> bytearray:
+    """One receive buffer per event-loop thread, shared by its connections (never held across an await)."""
+    buf: bytearray | None = getattr(_per_thread, "buf", None)
+    if buf is None:
+        buf = _per_thread.buf = bytearray(CHUNK)
+    return buf
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
 
 
 class _Reset(Exception):
@@ -87,15 +114,22 @@ class UserspacePlane:
         # every complete record is decrypted before the next await (the invariant unwrap() relies on).
         buf = bytearray(CHUNK + 2 * MAX_RECORD_BODY)
         view = memoryview(buf)
+        rbuf = _receive_buffer()
         eof = False
         while not eof:
             try:
-                data = await loop.sock_recv(sock, CHUNK)
+                # Try the socket first and wait only when it is empty: a loop round trip (and an epoll
+                # add/remove) per read costs more than the read itself at these sizes.
+                got = sock.recv_into(rbuf)
+            except BlockingIOError:
+                await _readable(loop, sock)
+                continue
             except OSError as e:
                 raise _Reset("gateway") from e
-            if not data:
+            if not got:
                 break  # TCP FIN without close_notify: end of stream all the same
-            h.link.incoming.write(data)
+            # Copied into the BIO before any await: the receive buffer is shared by this thread's tasks.
+            h.link.incoming.write(memoryview(rbuf)[:got])
             n = 0
             while True:
                 try:
@@ -123,7 +157,10 @@ class UserspacePlane:
         view = memoryview(buf)
         while True:
             try:
-                n = await loop.sock_recv_into(up, buf)
+                n = up.recv_into(buf)
+            except BlockingIOError:
+                await _readable(loop, up)
+                continue
             except OSError as e:
                 raise _Reset("sandbox") from e
             if n == 0:
