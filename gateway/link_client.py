@@ -89,11 +89,15 @@ class LinkClient:
         return out
 
     def open(self, preamble: bytes) -> Status:
+        """Handshake, send the preamble, return the forwarder's status."""
         self.handshake()
         self.send(preamble)
-        raw = self.recv_exact(4)
-        parsed = pull_status(raw)
-        assert parsed is not None
+        return self.open_status()
+
+    def open_status(self) -> Status:
+        parsed = pull_status(self.recv_exact(4))
+        if parsed is None:  # cannot happen with four bytes; keeps the type honest
+            raise EOFError("short status record")
         return parsed[0]
 
     def close_write(self) -> None:
