@@ -251,6 +251,18 @@ def install(
     return Installed(info.suite, info.tx_records, info.rx_records)
 
 
+def attach_ulp(sock: socket.socket) -> None:
+    """Attach the "tls" ULP now, while the socket is surely ESTABLISHED (call right after accept).
+
+    With no keys set the socket behaves as plain TCP, so the handshake in user space is unaffected;
+    ``install`` later only sets TLS_TX/TLS_RX, which the kernel accepts even after the peer's FIN.
+    """
+    _, lib = _lib()
+    rc = int(lib.tk_attach_ulp(sock.fileno()))
+    if rc:
+        raise KtlsError("ulp_attach_failed", os.strerror(-rc))
+
+
 def installed_directions(fd: int) -> tuple[bool, bool]:
     """(TLS_TX, TLS_RX) installed on ``fd``, read back from the kernel (header only, never the key)."""
     out = []

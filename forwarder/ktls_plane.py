@@ -87,6 +87,15 @@ class KtlsPlane:
         """Called on every server context before it serves (start-up and each reload)."""
         ktls.prepare_context(ctx)
 
+    @staticmethod
+    def on_accept(sock: socket.socket) -> None:
+        """Attach the TLS ULP while the socket is ESTABLISHED (a fast gateway may FIN before install).
+
+        A failure here is not final: ``install`` tries again and refuses the connection if it must.
+        """
+        with contextlib.suppress(ktls.KtlsError):
+            ktls.attach_ulp(sock)
+
     @property
     def pump(self) -> SplicePump | None:
         return self._pump
@@ -156,7 +165,8 @@ class KtlsPlane:
             )
         except ktls.KtlsError as e:
             self.install_failures[e.reason] += 1
-            log.warning("kernel TLS install refused", extra={"event": "ktls_install_failed", "reason": e.reason})
+            log.warning(f"kernel TLS install refused: {e.reason} {e.detail}",
+                        extra={"event": "ktls_install_failed", "reason": e.reason})
             abort(h.upstream)
             abort(link.sock)
             return Outcome.TLS_ERROR if e.reason == "record_count_mismatch" else Outcome.INTERNAL
@@ -176,16 +186,19 @@ class KtlsPlane:
         try:
             ev = await fut
         except asyncio.CancelledError:
-            c = pump.counters(conn_id)
-            if c is not None:
-                h.meter.up, h.meter.down = head + c[0], c[1]
             self._waiting.pop(conn_id, None)
-            pump.abort(conn_id, reset=True)
+            if self._pump is pump:  # not already closed (which reset everything it held)
+                c = pump.counters(conn_id)
+                if c is not None:
+                    h.meter.up, h.meter.down = head + c[0], c[1]
+                pump.abort(conn_id, reset=True)
             raise
         h.meter.up = head + ev.bytes_up
         h.meter.down = ev.bytes_down
         h.meter.last_activity = time.monotonic()
         self.ends[ev.reason] += 1
-        if ev.outcome is PumpOutcome.TLS_ERROR:
-            log.warning("gateway TLS stream ended the connection", extra={"event": "ktls_close", "reason": ev.reason})
+        if ev.outcome is not PumpOutcome.CLOSED:
+            err = os.strerror(ev.err) if ev.err else "-"
+            log.warning(f"pump ended the connection: {ev.outcome.name.lower()} {ev.reason} ({err})",
+                        extra={"event": "ktls_close", "reason": ev.reason})
         return _OUTCOMES[ev.outcome]

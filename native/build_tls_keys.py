@@ -41,6 +41,7 @@ ffibuilder.cdef(
     int tk_install(SSL *ssl, int fd, int64_t expect_tx, int64_t expect_rx, int *sys_errno);
     int tk_export_for_test(SSL *ssl, int64_t expect_tx, int64_t expect_rx, unsigned char *tx_out,
                            unsigned char *rx_out, int out_len);
+    int tk_attach_ulp(int fd);
     int tk_set_ciphersuites(SSL_CTX *ctx, const char *suites);
     int tk_key_update(SSL *ssl, int request_peer);
     """

@@ -339,7 +339,12 @@ int tk_install(SSL *ssl, int fd, int64_t expect_tx, int64_t expect_rx, int *sys_
     *sys_errno = 0;
     int rc = check_and_build(ssl, expect_tx, expect_rx, &tx, &tx_size, &rx, &rx_size);
     if (rc == 0) {
-        if (setsockopt(fd, SOL_TCP, TCP_ULP, "tls", 3) < 0) {
+        /* The ULP may already be attached (tk_attach_ulp at accept): TCP_ULP refuses a socket that
+         * is no longer ESTABLISHED, e.g. once a fast gateway has sent its data and FIN. */
+        char ulp[16] = {0};
+        socklen_t ulen = sizeof ulp - 1;
+        int have = getsockopt(fd, SOL_TCP, TCP_ULP, ulp, &ulen) == 0 && strcmp(ulp, "tls") == 0;
+        if (!have && setsockopt(fd, SOL_TCP, TCP_ULP, "tls", 3) < 0) {
             *sys_errno = errno;
             rc = TK_E_ULP;
         } else if (setsockopt(fd, SOL_TLS, TLS_TX, &tx, (socklen_t)tx_size) < 0) {
@@ -376,6 +381,11 @@ int tk_export_for_test(SSL *ssl, int64_t expect_tx, int64_t expect_rx, unsigned 
     if (rc != TK_E_NOT_PREPARED)
         wipe_secrets(ssl);
     return rc;
+}
+
+int tk_attach_ulp(int fd)
+{
+    return setsockopt(fd, SOL_TCP, TCP_ULP, "tls", 3) < 0 ? -errno : 0;
 }
 
 int tk_set_ciphersuites(SSL_CTX *ctx, const char *suites)

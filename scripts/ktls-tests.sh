@@ -25,6 +25,7 @@ command -v vng >/dev/null || fail "virtme-ng (vng) is not installed in .venv (ru
 command -v qemu-system-x86_64 >/dev/null || fail "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)"
 
 results=$(mktemp -d /tmp/sbxnet-ktls.XXXXXX)
+extra=$(printf '%q ' "${pytest_args[@]}" "$@")
 trap 'rm -rf "$results"' EXIT
 # Inside the VM: /work/main and .venv are read-only; /tmp is a writable tmpfs; only $results comes back.
 cat >"$results/inner.sh" <<INNER
@@ -32,7 +33,7 @@ cd '$root' || exit 90
 ip link set lo up 2>/dev/null
 if ! modprobe tls; then echo "modprobe tls failed inside the VM" >'$results/error'; echo 91 >'$results/rc'; exit 91; fi
 export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp TMPDIR=/tmp KTLS_XFER_MIB='${KTLS_XFER_MIB:-64}' SBXNET_IN_VM=1
-'$py' -m pytest ${pytest_args[*]} --basetemp=/tmp/pytest --junitxml='$results/junit.xml' $* >'$results/pytest.log' 2>&1
+'$py' -m pytest $extra --basetemp=/tmp/pytest --junitxml='$results/junit.xml' >'$results/pytest.log' 2>&1
 echo \$? >'$results/rc'
 INNER
 
@@ -42,7 +43,10 @@ start=$SECONDS
 timeout "${KTLS_VM_TIMEOUT:-480}" vng --disable-kvm --cpus 2 --memory 2G --run "$kernel" \
     --rwdir "$results" --exec "sh $results/inner.sh" </dev/null >"$results/vm.log" 2>&1
 vm_rc=$?
-[[ -f $results/pytest.log ]] && cat "$results/pytest.log"
+if [[ -f $results/pytest.log ]]; then
+    cat "$results/pytest.log"
+    cp "$results/pytest.log" "${TMPDIR:-/tmp}/sbxnet-ktls-last.log" 2>/dev/null || true
+fi
 echo "kTLS: VM run took $((SECONDS - start)) s (vng exit $vm_rc)"
 if [[ ! -f $results/rc ]]; then
     tail -n 30 "$results/vm.log" >&2
