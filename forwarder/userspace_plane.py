@@ -1,7 +1,9 @@
 """The ``userspace`` data plane: TLS in user space over the link's memory BIOs, bytes copied.
 
 It is the benchmark's middle stage and the path for kernels without TLS, chosen explicitly. Each
-direction is one task; ``sock_sendall`` finishing before the next read is the back-pressure.
+direction is one task. Sockets are tried before they are waited on (a loop round trip per read costs
+more than the read), reads land in one buffer per loop thread and are copied onward before any await,
+and a send that the peer cannot take yet is waited on before the next read: that is the back-pressure.
 """
 
 from __future__ import annotations
@@ -18,21 +20,21 @@ from forwarder.metering import ConnMeter
 from forwarder.planes import Handoff, Outcome, abort
 from forwarder.tls_link import MAX_RECORD_BODY
 
-CHUNK = 256 * 1024
-
+RECV_SIZE = 1024 * 1024  # one per loop thread
+PLAINTEXT_SIZE = 64 * 1024  # one per connection, for the gateway -> sandbox direction
 
 _per_thread = threading.local()
 
 
-def _receive_buffer() -> bytearray:
-    """One receive buffer per event-loop thread, shared by its connections (never held across an await)."""
-    buf: bytearray | None = getattr(_per_thread, "buf", None)
-    if buf is None:
-        buf = _per_thread.buf = bytearray(CHUNK)
-    return buf
+def _receive_buffer() -> memoryview:
+    """This thread's receive buffer, shared by its connections; never held across an await."""
+    view: memoryview | None = getattr(_per_thread, "view", None)
+    if view is None:
+        view = _per_thread.view = memoryview(bytearray(RECV_SIZE))
+    return view
 
 
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write: bool) -> None:
     fut: asyncio.Future[None] = loop.create_future()
     fd = sock.fileno()
 
@@ -40,11 +42,30 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         if not fut.done():
             fut.set_result(None)
 
-    loop.add_reader(fd, wake)
+    (loop.add_writer if write else loop.add_reader)(fd, wake)
     try:
         await fut
     finally:
-        loop.remove_reader(fd)
+        (loop.remove_writer if write else loop.remove_reader)(fd)
+
+
+async def _send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: memoryview) -> None:
+    while data:
+        try:
+            n = sock.send(data)
+        except BlockingIOError:
+            await _ready(loop, sock, write=True)
+            continue
+        data = data[n:]
+
+
+class _Drained(asyncio.Event):
+    """Set while the incoming BIO holds no complete record; ``waiting`` once close_notify waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = False
+        self.set()
 
 
 class _Reset(Exception):
@@ -60,8 +81,9 @@ class UserspacePlane:
     name = "userspace"
 
     async def run(self, h: Handoff) -> Outcome:
-        up = asyncio.create_task(self._gateway_to_sandbox(h), name="up")
-        down = asyncio.create_task(self._sandbox_to_gateway(h), name="down")
+        drained = _Drained()
+        up = asyncio.create_task(self._gateway_to_sandbox(h, drained), name="up")
+        down = asyncio.create_task(self._sandbox_to_gateway(h, drained), name="down")
         outcome = Outcome.CLOSED
         try:
             done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
@@ -105,88 +127,96 @@ class UserspacePlane:
             abort(h.link.sock)
             abort(h.upstream)
 
-    async def _gateway_to_sandbox(self, h: Handoff) -> None:
+    async def _gateway_to_sandbox(self, h: Handoff, drained: _Drained) -> None:
         loop = asyncio.get_running_loop()
         sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
         if h.leftover:
-            await self._send(up, memoryview(h.leftover), meter)
-        # Room for the plaintext of one whole receive plus a record that was split across receives, so
-        # every complete record is decrypted before the next await (the invariant unwrap() relies on).
-        buf = bytearray(CHUNK + 2 * MAX_RECORD_BODY)
-        view = memoryview(buf)
+            await self._deliver(loop, up, memoryview(h.leftover), meter)
+        plain = memoryview(bytearray(PLAINTEXT_SIZE + MAX_RECORD_BODY))
         rbuf = _receive_buffer()
-        eof = False
-        while not eof:
+        while True:
             try:
-                # Try the socket first and wait only when it is empty: a loop round trip (and an epoll
-                # add/remove) per read costs more than the read itself at these sizes.
                 got = sock.recv_into(rbuf)
             except BlockingIOError:
-                await _readable(loop, sock)
+                await _ready(loop, sock, write=False)
                 continue
             except OSError as e:
                 raise _Reset("gateway") from e
             if not got:
                 break  # TCP FIN without close_notify: end of stream all the same
-            # Copied into the BIO before any await: the receive buffer is shared by this thread's tasks.
-            h.link.incoming.write(memoryview(rbuf)[:got])
-            n = 0
+            h.link.incoming.write(rbuf[:got])  # copied out of the shared buffer before any await
+            drained.clear()
+            eof = False
             while True:
-                try:
-                    k = cast(int, tls.read(len(buf) - n, view[n:]))  # with a buffer, read() returns a count
-                except ssl.SSLWantReadError:
+                n = 0
+                while n < PLAINTEXT_SIZE:
+                    try:
+                        k = cast(int, tls.read(len(plain) - n, plain[n:]))  # with a buffer: a count
+                    except ssl.SSLWantReadError:
+                        break
+                    except ssl.SSLZeroReturnError:
+                        eof = True
+                        break
+                    except ssl.SSLError as e:
+                        raise _TlsFailure(e.reason or "tls") from e
+                    if k == 0:
+                        eof = True
+                        break
+                    n += k
+                if n < PLAINTEXT_SIZE:
+                    drained.set()  # no complete record left in the BIO
+                    if drained.waiting:
+                        await asyncio.sleep(0)  # let the waiting close_notify go out now
+                if n:
+                    await self._deliver(loop, up, plain[:n], meter)
+                if drained.is_set() or eof:
                     break
-                except ssl.SSLZeroReturnError:
-                    eof = True
-                    break
-                except ssl.SSLError as e:
-                    raise _TlsFailure(e.reason or "tls") from e
-                if k == 0:
-                    eof = True
-                    break
-                n += k
-            if n:
-                await self._send(up, view[:n], meter)
+            if eof:
+                break
+        drained.set()
         with contextlib.suppress(OSError):
             up.shutdown(socket.SHUT_WR)
 
-    async def _sandbox_to_gateway(self, h: Handoff) -> None:
+    async def _sandbox_to_gateway(self, h: Handoff, drained: _Drained) -> None:
         loop = asyncio.get_running_loop()
         sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
+        rbuf = _receive_buffer()
         while True:
             try:
-                n = up.recv_into(buf)
+                n = up.recv_into(rbuf)
             except BlockingIOError:
-                await _readable(loop, up)
+                await _ready(loop, up, write=False)
                 continue
             except OSError as e:
                 raise _Reset("sandbox") from e
             if n == 0:
                 break
-            tls.write(view[:n])
+            tls.write(rbuf[:n])  # encrypted into the BIO before any await
             try:
-                await loop.sock_sendall(sock, h.link.outgoing.read())
+                await _send_all(loop, sock, memoryview(h.link.outgoing.read()))
             except OSError as e:
                 raise _Reset("gateway") from e
             meter.down += n
             meter.last_activity = time.monotonic()
-        # End of stream from the sandbox: close_notify, then FIN. The second SSL_shutdown inside
-        # unwrap() finds at most a partial record in the incoming BIO (the other task drains every
-        # complete record before it awaits), so no tenant data is discarded.
+        # End of stream from the sandbox: close_notify, then FIN. unwrap() calls SSL_shutdown twice,
+        # and the second call reads the BIO and discards any complete application record it finds
+        # there (OpenSSL 3 then fails the session with APPLICATION_DATA_AFTER_CLOSE_NOTIFY); so wait until
+        # the other direction has decrypted every complete record.
+        drained.waiting = True
+        while not drained.is_set():
+            await drained.wait()  # re-checked: the other task may have fed the BIO again before we resumed
         with contextlib.suppress(ssl.SSLError):
             tls.unwrap()
         try:
-            await loop.sock_sendall(sock, h.link.outgoing.read())
+            await _send_all(loop, sock, memoryview(h.link.outgoing.read()))
             sock.shutdown(socket.SHUT_WR)
         except OSError as e:
             raise _Reset("gateway") from e
 
     @staticmethod
-    async def _send(up: socket.socket, data: memoryview, meter: ConnMeter) -> None:
+    async def _deliver(loop: asyncio.AbstractEventLoop, up: socket.socket, data: memoryview, meter: ConnMeter) -> None:
         try:
-            await asyncio.get_running_loop().sock_sendall(up, data)
+            await _send_all(loop, up, data)
         except OSError as e:
             raise _Reset("sandbox") from e
         meter.up += len(data)

@@ -118,3 +118,38 @@ def test_close_timeout_cuts_a_direction_that_never_ends(make_forwarder, pki: Pki
     hold.set()
     fwd.wait_idle()
     assert fwd.sample("sbxnet_forwarder_connections_total", {"outcome": "close_timeout"}) == 1
+
+
+def test_sandbox_end_of_stream_mid_upload_loses_no_upload_bytes(forwarder: ForwarderThread, pki: Pki) -> None:
+    # The forwarder sends close_notify (SSL_shutdown) while upload records are arriving: none of
+    # them may be swallowed by the shutdown.
+    import hashlib
+
+    from fwd_support import payload
+
+    def recv_all_bytes(conn: socket.socket) -> bytes:
+        out = bytearray()
+        while chunk := conn.recv(1 << 18):
+            out += chunk
+        return bytes(out)
+
+    got: list[tuple[bytes, int]] = []
+
+    def handler(conn: socket.socket) -> None:
+        first = conn.recv(1)  # the upload has started
+        time.sleep(0.3)  # let the forwarder block on a full socket with upload records still undecrypted
+        conn.sendall(b"done")
+        conn.shutdown(socket.SHUT_WR)
+        rest = recv_all_bytes(conn)
+        got.append((hashlib.sha256(first + rest).digest(), len(first) + len(rest)))
+
+    data = payload(32 << 20, 9)
+    for _ in range(3):
+        app = SandboxApp(handler)
+        client = GwClient(forwarder.port, pki.client_ctx())
+        client.open(preamble_for(app.port))
+        client.exchange(data)
+        app.join()
+        app.close()
+        client.close()
+    assert got == [(hashlib.sha256(data).digest(), len(data))] * 3
