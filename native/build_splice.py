@@ -1,10 +1,7 @@
 """cffi build for ``native._splice``: the splice pump (native/splice_pump.c)."""
 
-from pathlib import Path
 
 from cffi import FFI
-
-_here = Path(__file__).resolve().parent
 
 ffibuilder = FFI()
 ffibuilder.cdef(
@@ -42,9 +39,9 @@ ffibuilder.cdef(
 ffibuilder.set_source(
     "native._splice",
     '#include "splice_pump.h"',
-    sources=[str(_here / "splice_pump.c")],
-    include_dirs=[str(_here)],
-    depends=[str(_here / "splice_pump.h")],
+    sources=["native/splice_pump.c"],
+    include_dirs=["native"],
+    depends=["native/splice_pump.h"],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
 )
 

@@ -4,11 +4,8 @@ Links the system libssl/libcrypto: the same libraries Python's own ``_ssl`` modu
 SSL_CTX and SSL objects behind ``ssl.SSLContext`` / ``ssl.SSLObject`` are ours to call into.
 """
 
-from pathlib import Path
 
 from cffi import FFI
-
-_here = Path(__file__).resolve().parent
 
 ffibuilder = FFI()
 ffibuilder.cdef(
@@ -49,9 +46,9 @@ ffibuilder.cdef(
 ffibuilder.set_source(
     "native._tls_keys",
     '#include "tls_keys.h"',
-    sources=[str(_here / "tls_keys.c")],
-    include_dirs=[str(_here)],
-    depends=[str(_here / "tls_keys.h")],
+    sources=["native/tls_keys.c"],
+    include_dirs=["native"],
+    depends=["native/tls_keys.h"],
     libraries=["ssl", "crypto"],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
 )
