@@ -82,8 +82,9 @@ class Proc:
         except ProcessLookupError:
             pass
 
-    def stop(self) -> tuple[int, str]:
-        if self.p.poll() is None:
+    def stop(self, *, signalled: bool = False) -> tuple[int, str]:
+        """SIGTERM (unless the test already sent it) and wait for the exit."""
+        if not signalled and self.p.poll() is None:
             self.p.send_signal(signal.SIGTERM)
         try:
             _, err = self.p.communicate(timeout=20)
@@ -219,7 +220,7 @@ def test_metrics_health_and_sigterm_drain(tmp_path: Path, pki: Pki, procs: list[
     client.close_write()
     release.set()
     client.recv_all()
-    code, err = proc.stop()
+    code, err = proc.stop(signalled=True)
     assert code == 0, err
     assert got == [(hashlib.sha256(b"a" * 1000 + b"b" * 1000).digest(), 2000)]
     assert '"event": "drained"' in err and '"cut": 0' in err
