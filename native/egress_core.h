@@ -33,6 +33,7 @@
 #define EG_ERR_VXLAN -10
 #define EG_ERR_VNI -11
 #define EG_ERR_ETHERTYPE -12
+#define EG_ERR_IP_OPTIONS -13
 
 struct eg_out_params {
     uint32_t claim;          /* the claim's overlay address: every source becomes this */

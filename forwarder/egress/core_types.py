@@ -31,6 +31,7 @@ ERR_SPACE = -9
 ERR_VXLAN = -10
 ERR_VNI = -11
 ERR_ETHERTYPE = -12
+ERR_IP_OPTIONS = -13
 
 REASONS: dict[int, str] = {
     ERR_SHORT: "short",
@@ -45,6 +46,7 @@ REASONS: dict[int, str] = {
     ERR_VXLAN: "vxlan_flags",
     ERR_VNI: "vxlan_vni",
     ERR_ETHERTYPE: "ethertype",
+    ERR_IP_OPTIONS: "ip_options",
 }
 
 

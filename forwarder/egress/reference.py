@@ -18,6 +18,7 @@ from forwarder.egress.core_types import (
     ERR_GSO,
     ERR_ICMP,
     ERR_IP,
+    ERR_IP_OPTIONS,
     ERR_L4,
     ERR_LEN,
     ERR_SHORT,
@@ -132,9 +133,9 @@ def parse_out(f: Buf) -> tuple[int, Outbound | None]:
     avail = len(f) - VNET_HDR_LEN
     if f[ip] >> 4 != 4 or f[ip] & 15 < 5:
         return ERR_IP, None
-    ihl = (f[ip] & 15) * 4
-    if ihl > avail:
-        return ERR_SHORT, None
+    if f[ip] & 15 != 5:
+        return ERR_IP_OPTIONS, None
+    ihl = 20
     tot = _u16(f, ip + 2)
     if tot < ihl or tot > avail:
         return ERR_LEN, None

@@ -13,6 +13,7 @@ import pytest
 from core_packets import (
     CLAIM,
     GUEST,
+    PREFIX,
     REMOTE,
     a4,
     complete,
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 from forwarder.egress import core_types as ct
 from forwarder.egress import fastpath as fp
 from forwarder.egress import reference as ref
+from forwarder.egress.errors import FrameRefused
 from forwarder.egress.validate import validate_outbound
 
 
@@ -185,7 +187,7 @@ REFUSALS = [
     ("ip-19", vnet() + T[:19], ct.ERR_SHORT),
     ("version-6", vnet() + mutate(T, 0, b"\x65"), ct.ERR_IP),
     ("ihl-4", vnet() + mutate(T, 0, b"\x44"), ct.ERR_IP),
-    ("ihl-past-end", vnet() + mutate(T, 0, b"\x4f")[:40], ct.ERR_SHORT),
+    ("ihl-past-end", vnet() + mutate(T, 0, b"\x4f")[:40], ct.ERR_IP_OPTIONS),
     ("total-over", vnet() + mutate(T, 2, (len(T) + 1).to_bytes(2, "big")), ct.ERR_LEN),
     ("total-under-ihl", vnet() + mutate(T, 2, b"\x00\x13"), ct.ERR_LEN),
     ("tcp-short", vnet() + mutate(T[:39], 2, (39).to_bytes(2, "big")), ct.ERR_SHORT),
@@ -228,14 +230,38 @@ def test_later_fragment_rewrites_ip_only() -> None:
     assert dpkt.in_cksum(after[10:30]) == 0
 
 
-def test_ip_options_and_trailing_bytes() -> None:
-    t = tcp(b"opts")
-    opts = b"\x01\x01\x01\x00"  # NOP NOP NOP EOL
-    ip = bytearray(b"\x46" + t[1:20] + opts + t[20:])
-    ip[2:4] = (len(t) + 4).to_bytes(2, "big")
+def with_ip_options(t: bytes, opts: bytes) -> bytes:
+    """``t`` with IPv4 options inserted, total length and header checksum right."""
+    ihl = 5 + len(opts) // 4
+    ip = bytearray(bytes([0x40 | ihl]) + t[1:20] + opts + t[20:])
+    ip[2:4] = (len(t) + len(opts)).to_bytes(2, "big")
     ip[10:12] = b"\x00\x00"
-    ip[10:12] = ref.checksum(ip[:24]).to_bytes(2, "big")
-    frame = vnet() + bytes(ip) + b"trailing"
+    ip[10:12] = ref.checksum(ip[: ihl * 4]).to_bytes(2, "big")
+    return bytes(ip)
+
+
+@pytest.mark.parametrize("opts", [b"\x01\x01\x01\x00", b"\x01" * 40], ids=["ihl-6", "ihl-15"])
+@pytest.mark.parametrize("kind", ["plain", "csum-at-ihl", "tso-csum-at-ihl"])
+def test_ip_options_refused(opts: bytes, kind: str) -> None:
+    # IHL != 5 is refused as validate_outbound refuses it, even with csum_start pointing at the L4
+    # header past the options: L4 always starts at 20. C and reference agree; nothing is written.
+    ip = with_ip_options(tcp(b"opts" * 100), opts)
+    ihl = 20 + len(opts)
+    hdr = {"plain": vnet(), "csum-at-ihl": vnet(1, 0, 0, 0, ihl, 16), "tso-csum-at-ihl": vnet(1, 1, 0, 100, ihl, 16)}
+    frame = hdr[kind] + ip
+    assert both(frame)[0] == ct.ERR_IP_OPTIONS
+    p = ct.OutParams(claim=CLAIM, prefix=PREFIX, mtu=65535)
+    out = bytearray(1 << 16)
+    assert fp.segment(frame, p, out) == (ct.ERR_IP_OPTIONS, None)
+    assert ref.segment(frame, p, len(out)) == (ct.ERR_IP_OPTIONS, b"", None)
+    with pytest.raises(FrameRefused) as exc:
+        validate_outbound(frame, 65535)
+    assert exc.value.reason == ct.REASONS[ct.ERR_IP_OPTIONS] == "ip_options"
+
+
+def test_trailing_bytes_ignored() -> None:
+    ip = tcp(b"trail")
+    frame = vnet() + ip + b"trailing"
     status, after = both(frame)
     assert status == ct.OK
     assert after.endswith(b"trailing")
