@@ -10,7 +10,8 @@ The checks run in this order, so a frame with several faults always gets the sam
    length; ``fragment`` MF set or a fragment offset.
 2. ``unsupported_proto`` anything but TCP (6), UDP (17), ICMP (1); ``bad_l4_header`` the L4 header
    does not fit (TCP data offset under 5 or past the end; UDP length field not the packet's UDP length;
-   ICMP under 8 bytes).
+   ICMP under 8 bytes); ``bad_icmp_quote`` an ICMP error (3, 11, 12) that does not quote at least an
+   IPv4 header's 20 bytes (version 4, IHL >= 5): the rewrite puts the claim address in that quote.
 3. ``bad_vnet_flags`` flag bits other than NEEDS_CSUM/DATA_VALID; ``bad_hdr_len`` hdr_len larger than
    the packet (it is otherwise ignored: the header length is recomputed from the packet).
 4. Checksum request: ``icmp_csum`` ICMP with NEEDS_CSUM; ``offload_not_negotiated`` NEEDS_CSUM without
@@ -59,6 +60,9 @@ IPV4_HDR_LEN = 20
 MAX_IP_PACKET = 65535
 MAX_GSO_SEGMENTS = 128
 MIN_MTU = 68
+
+# Destination unreachable, time exceeded, parameter problem: they quote the packet that caused them.
+ICMP_ERROR_TYPES = frozenset({3, 11, 12})
 
 TCP_CSUM_OFFSET = 16
 UDP_CSUM_OFFSET = 6
@@ -136,6 +140,13 @@ def validate_outbound(
     elif proto == PROTO_ICMP:
         if l4_len < 8:
             raise FrameRefused("bad_l4_header", f"{l4_len} bytes of ICMP")
+        if frame[l4] in ICMP_ERROR_TYPES:
+            # the quoted destination (the guest's address) becomes the claim address: it must be there
+            if l4_len < 8 + IPV4_HDR_LEN:
+                raise FrameRefused("bad_icmp_quote", f"{l4_len - 8} quoted bytes")
+            quoted = frame[l4 + 8]
+            if quoted >> 4 != 4 or quoted & 0xF < 5:
+                raise FrameRefused("bad_icmp_quote", f"quoted version/IHL byte {quoted:#04x}")
         l4_header_len = 8
         csum_offset = -1
     else:

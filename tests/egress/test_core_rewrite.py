@@ -313,3 +313,29 @@ def test_property_valid_frames(fc: tuple[bytes, int]) -> None:
         dpkt_checked(complete(after[10:]))
     else:
         dpkt_checked(after[10:])
+
+
+@pytest.mark.parametrize(
+    ("icmp_type", "quoted", "accepted"),
+    [
+        (3, udp(b"dns?", src=REMOTE, dst=GUEST)[:28], True),
+        (11, tcp(b"t", src=REMOTE, dst=GUEST)[:20], True),
+        (12, b"\x46" + bytes(27), True),  # a quoted header with options: its destination is still at 16
+        (3, udp(b"q", src=REMOTE, dst=GUEST)[:19], False),
+        (11, b"", False),
+        (12, b"\x60" + bytes(39), False),
+        (3, b"\x44" + bytes(27), False),
+    ],
+)
+def test_icmp_quote_validator_and_core_agree(icmp_type: int, quoted: bytes, accepted: bool) -> None:
+    # The validator accepts exactly the ICMP errors whose quote the rewrite can carry the claim into.
+    frame = vnet() + icmp_error(icmp_type, quoted)
+    status, after = both(frame)
+    if accepted:
+        validate_outbound(frame, 1500)
+        assert status == ct.OK
+        assert after[10 + 28 + 16 : 10 + 28 + 20] == a4(CLAIM)
+    else:
+        with pytest.raises(FrameRefused) as exc:
+            validate_outbound(frame, 1500)
+        assert exc.value.reason == ct.REASONS[status] == "bad_icmp_quote"

@@ -53,6 +53,11 @@ def icmp(payload: int = 56) -> bytes:
     return bytes(dpkt.ip.IP(src=SRC, dst=DST, p=dpkt.ip.IP_PROTO_ICMP, data=msg))
 
 
+def icmp_error(icmp_type: int, quoted: bytes) -> bytes:
+    msg = dpkt.icmp.ICMP(type=icmp_type, code=3, data=dpkt.icmp.ICMP.Unreach(data=quoted))
+    return bytes(dpkt.ip.IP(src=SRC, dst=DST, p=dpkt.ip.IP_PROTO_ICMP, data=msg))
+
+
 def vnet(flags: int = 0, gso_type: int = GSO_NONE, hdr_len: int = 0, gso_size: int = 0, start: int = 0,
          off: int = 0) -> bytes:
     return push_vnet_hdr(VnetHdr(flags, gso_type, hdr_len, gso_size, start, off))
@@ -131,6 +136,7 @@ def test_hdr_len_is_not_trusted() -> None:
 # ---------------------------------------------------------------- one test per reason
 
 GOOD_TCP = tcp(100)
+QUOTED = udp(10)[:28]  # what an ICMP error quotes: the IPv4 header and 8 bytes of what caused it
 
 
 @pytest.mark.parametrize(
@@ -158,6 +164,12 @@ GOOD_TCP = tcp(100)
         (vnet() + patch(udp(10), 24, "!H", 17), "bad_l4_header"),  # UDP length short
         (vnet() + patch(udp(10), 24, "!H", 19), "bad_l4_header"),  # UDP length long
         (vnet() + patch(icmp(0)[:27], 2, "!H", 27), "bad_l4_header"),
+        (vnet() + icmp_error(3, QUOTED[:20]), None),  # an IPv4 header is enough to rewrite
+        (vnet() + icmp_error(3, QUOTED[:19]), "bad_icmp_quote"),
+        (vnet() + icmp_error(11, b""), "bad_icmp_quote"),
+        (vnet() + icmp_error(12, b"\x60" + QUOTED[1:]), "bad_icmp_quote"),  # quotes IPv6
+        (vnet() + icmp_error(3, b"\x44" + QUOTED[1:]), "bad_icmp_quote"),  # quoted IHL 4
+        (vnet() + patch(icmp_error(3, b"")[:27], 2, "!H", 27), "bad_l4_header"),  # not even 8 bytes
         (vnet(0x04) + GOOD_TCP, "bad_vnet_flags"),
         (vnet(0x80) + GOOD_TCP, "bad_vnet_flags"),
         (vnet(hdr_len=len(GOOD_TCP) + 1) + GOOD_TCP, "bad_hdr_len"),

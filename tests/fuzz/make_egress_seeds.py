@@ -47,6 +47,7 @@ def frames() -> dict[str, bytes]:
         "icmp-time-exceeded": vnet() + icmp_error(11, tcp(b"t", src=REMOTE, dst=GUEST)[:28]),
         "icmp-param-problem": vnet() + icmp_error(12, udp(b"p" * 40, src=REMOTE, dst=GUEST)),
         "icmp-error-short-quote": vnet() + icmp_error(3, b"\x45" + bytes(12)),
+        "icmp-error-quote-not-ipv4": vnet() + icmp_error(11, b"\x60" + bytes(39)),
         "tso-63k-1448": csum_frame(tcp(rnd.randbytes(63000), flags=TH.TH_ACK | TH.TH_PUSH), 1, 1448),
         "tso-fin-psh-cwr-ecn": csum_frame(
             tcp(rnd.randbytes(5000), flags=TH.TH_ACK | TH.TH_PUSH | TH.TH_FIN | TH.TH_CWR), 0x81, 536
@@ -68,6 +69,9 @@ def frames() -> dict[str, bytes]:
         "fragment-later": vnet() + bytes([*u[:6], 0x00, 0x10, *u[8:]]),
         "fragment-first-gso": vnet(1, 5, 28, 10, 20, 6) + bytes([*u[:6], 0x20, 0x00, *u[8:]]),
         "ip-options": vnet() + bytes([0x46, *t[1:3], *t[3:20]]) + b"\x01\x01\x01\x00" + t[20:],
+        # options with the checksum request pointing past them, at the TCP checksum: still refused
+        "ip-options-csum-at-ihl": vnet(1, 0, 0, 0, 24, 16)
+        + bytes([0x46, *(len(t) + 4).to_bytes(2, "big"), *t[3:20]]) + b"\x01\x01\x01\x00" + t[20:],
         "trailing-bytes": vnet() + t + b"trailer",
         "total-length-over": vnet() + t[:2] + b"\xff\xff" + t[4:],
         "tcp-doff-past-end": vnet() + t[:32] + b"\xf0" + t[33:],

@@ -47,6 +47,11 @@ def icmp(payload: int = 56) -> bytes:
     return bytes(dpkt.ip.IP(src=SRC, dst=DST, p=1, data=msg))
 
 
+def icmp_error(quoted: bytes) -> bytes:
+    msg = dpkt.icmp.ICMP(type=3, code=3, data=dpkt.icmp.ICMP.Unreach(data=quoted))
+    return bytes(dpkt.ip.IP(src=SRC, dst=DST, p=1, data=msg))
+
+
 def vnet(flags: int = 0, gso: int = 0, hdr_len: int = 0, size: int = 0, start: int = 0, off: int = 0) -> bytes:
     return push_vnet_hdr(VnetHdr(flags, gso, hdr_len, size, start, off))
 
@@ -77,6 +82,10 @@ def frame_seeds() -> dict[str, bytes]:
         "unsupported_proto-gre": vnet() + patch(tcp(), 9, "!B", 47),
         "bad_l4_header-tcp-doff": vnet() + patch(tcp(0), 32, "!B", 0xF0),
         "bad_l4_header-udp-len": vnet() + patch(udp(), 24, "!H", 9),
+        "ok-icmp-error": vnet() + icmp_error(udp()[:28]),
+        # an ICMP error whose quote cannot take the claim address
+        "bad_icmp_quote-short": vnet() + icmp_error(udp()[:19]),
+        "bad_icmp_quote-not-ipv4": vnet() + icmp_error(b"\x60" + udp()[1:28]),
         "bad_vnet_flags": vnet(0x10) + tcp(),
         "bad_hdr_len": vnet(0, 0, 0xFFFF) + tcp(),
         "icmp_csum": vnet(1, 0, 0, 0, 20, 2) + icmp(),
