@@ -21,7 +21,7 @@ from forwarder.planes import Handoff, Outcome, abort
 from forwarder.tls_link import MAX_RECORD_BODY
 
 RECV_SIZE = 1024 * 1024  # one per loop thread
-PLAINTEXT_SIZE = 64 * 1024  # one per connection, for the gateway -> sandbox direction
+PLAINTEXT_SIZE = 256 * 1024  # one per connection, for the gateway -> sandbox direction
 
 _per_thread = threading.local()
 
