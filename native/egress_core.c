@@ -295,12 +295,14 @@ struct opkt {
 
 static int parse_out(const uint8_t *f, size_t len, struct opkt *k)
 {
+    if (len < EG_VNET_HDR_LEN)
+        return EG_ERR_SHORT_HEADER;
     if (len < EG_VNET_HDR_LEN + 20)
-        return EG_ERR_SHORT;
+        return EG_ERR_IP_HEADER;
     const uint8_t *ip = f + EG_VNET_HDR_LEN;
     size_t avail = len - EG_VNET_HDR_LEN;
     if ((ip[0] >> 4) != 4 || (ip[0] & 15) < 5)
-        return EG_ERR_IP;
+        return EG_ERR_IP_HEADER;
     /* Options refused, as validate_outbound refuses them: the L4 header then always starts at 20, the
      * only csum_start the contract allows, and no wire packet carries options the guest chose. */
     if ((ip[0] & 15) != 5)
@@ -308,7 +310,7 @@ static int parse_out(const uint8_t *f, size_t len, struct opkt *k)
     uint32_t ihl = 20;
     uint32_t tot = rd16(ip + 2);
     if (tot < ihl || tot > avail)
-        return EG_ERR_LEN;
+        return EG_ERR_IP_LENGTH;
     uint32_t fragw = rd16(ip + 6);
     int frag = (fragw & (IP_MF | IP_OFFMASK)) != 0;
     int has_l4 = (fragw & IP_OFFMASK) == 0;
@@ -320,20 +322,22 @@ static int parse_out(const uint8_t *f, size_t len, struct opkt *k)
     if (has_l4) {
         if (proto == 6) {
             if (l4len < 20)
-                return EG_ERR_SHORT;
+                return EG_ERR_L4_HEADER;
             l4h = (uint32_t)(l4[12] >> 4) * 4;
             if (l4h < 20 || l4h > l4len)
-                return EG_ERR_L4;
+                return EG_ERR_L4_HEADER;
         } else if (proto == 17) {
             if (l4len < 8)
-                return EG_ERR_SHORT;
+                return EG_ERR_L4_HEADER;
             l4h = 8;
         } else if (proto == 1 && l4len >= 1 && (l4[0] == 3 || l4[0] == 11 || l4[0] == 12)) {
+            if (l4len < 8)
+                return EG_ERR_L4_HEADER;
             if (l4len < 8 + 20)
-                return EG_ERR_ICMP;
+                return EG_ERR_ICMP_QUOTE;
             const uint8_t *e = l4 + 8;
             if ((e[0] >> 4) != 4 || (e[0] & 15) < 5)
-                return EG_ERR_ICMP;
+                return EG_ERR_ICMP_QUOTE;
             icmp_err = 1;
         }
     }
@@ -342,26 +346,36 @@ static int parse_out(const uint8_t *f, size_t len, struct opkt *k)
     /* The checksum write may only ever land on the L4 checksum field: anything else would let the
      * guest aim it at the IPv4 header after policy judged the destination. */
     if (flags & VNET_NEEDS_CSUM) {
-        if (!has_l4 || frag || (proto != 6 && proto != 17))
-            return EG_ERR_CSUM;
-        if (csum_start != ihl || csum_offset != (proto == 6 ? 16u : 6u))
-            return EG_ERR_CSUM;
+        if (frag)
+            return EG_ERR_FRAGMENT;
+        if (proto == 1)
+            return EG_ERR_ICMP_CSUM;
+        if (proto != 6 && proto != 17)
+            return EG_ERR_UNSUPPORTED_PROTO;
+        if (csum_start != ihl)
+            return EG_ERR_CSUM_START;
+        if (csum_offset != (proto == 6 ? 16u : 6u))
+            return EG_ERR_CSUM_OFFSET;
     }
     uint32_t gso = gso_type & ~GSO_ECN;
     if (gso == GSO_NONE) {
         if (gso_type & GSO_ECN)
-            return EG_ERR_GSO;
+            return EG_ERR_GSO_TYPE;
     } else if (gso == GSO_TCPV4) {
         if (proto != 6)
-            return EG_ERR_GSO;
+            return EG_ERR_GSO_PROTO;
     } else if (gso == GSO_UDP_L4) {
-        if (proto != 17 || (gso_type & GSO_ECN))
-            return EG_ERR_GSO;
+        if (proto != 17)
+            return EG_ERR_GSO_PROTO;
+        if (gso_type & GSO_ECN)
+            return EG_ERR_GSO_TYPE;
     } else {
-        return EG_ERR_GSO;
+        return EG_ERR_GSO_TYPE;
     }
-    if (gso != GSO_NONE && (frag || gso_size == 0))
-        return EG_ERR_GSO;
+    if (gso != GSO_NONE && frag)
+        return EG_ERR_FRAGMENT;
+    if (gso != GSO_NONE && gso_size == 0)
+        return EG_ERR_ZERO_GSO_SIZE;
     k->ip = ip;
     k->ip_len = tot;
     k->ihl = ihl;
@@ -416,7 +430,7 @@ int eg_rewrite(uint8_t *frame, size_t len, uint32_t claim)
 {
     struct opkt k;
     if (!frame)
-        return EG_ERR_SHORT;
+        return EG_ERR_SLICE;
     int st = parse_out(frame, len, &k);
     if (st)
         return st;
@@ -510,7 +524,7 @@ int eg_segment(const uint8_t *frame, size_t len, const struct eg_out_params *p, 
     struct opkt k;
     struct plan pl;
     if (!frame || !p || !info)
-        return EG_ERR_SHORT;
+        return EG_ERR_SLICE;
     int st = parse_out(frame, len, &k);
     if (st)
         return st;
@@ -518,7 +532,7 @@ int eg_segment(const uint8_t *frame, size_t len, const struct eg_out_params *p, 
     if (st)
         return st;
     if (!out || pl.bytes > cap)
-        return EG_ERR_SPACE;
+        return EG_ERR_NO_SPACE;
     write_out(&k, p, &pl, out);
     info->packets = pl.nseg;
     info->bytes = pl.bytes;
@@ -572,7 +586,7 @@ uint32_t eg_outbound_batch(const uint8_t *in, size_t in_len, const uint32_t *off
         r->off = (uint32_t)pos;
         r->len = 0;
         if (!in || offs[i] > in_len || lens[i] > in_len - offs[i]) {
-            r->status = EG_ERR_SHORT;
+            r->status = EG_ERR_SLICE;
             continue;
         }
         int st = parse_out(in + offs[i], lens[i], &k);
@@ -584,7 +598,7 @@ uint32_t eg_outbound_batch(const uint8_t *in, size_t in_len, const uint32_t *off
         }
         if (pl.bytes > out_cap - pos || pl.nseg > max_sends - g.n) {
             if (pos == 0 && g.n == 0) { /* would not fit an empty buffer either */
-                r->status = EG_ERR_SPACE;
+                r->status = EG_ERR_NO_SPACE;
                 continue;
             }
             break;
@@ -689,21 +703,25 @@ uint32_t eg_inbound_batch(const uint8_t *in, size_t in_len, const uint32_t *offs
         r->off = 0;
         r->len = 0;
         if (!in || offs[i] > in_len || lens[i] > in_len - offs[i]) {
-            r->status = EG_ERR_SHORT;
+            r->status = EG_ERR_SLICE;
             continue;
         }
         const uint8_t *d = in + offs[i];
         size_t len = lens[i];
+        if (len < 8) {
+            r->status = EG_ERR_SHORT_VXLAN;
+            continue;
+        }
         if (len < EG_PREFIX_LEN) {
-            r->status = EG_ERR_SHORT;
+            r->status = EG_ERR_SHORT_ETHERNET;
             continue;
         }
         if (!(d[0] & 0x08)) {
-            r->status = EG_ERR_VXLAN;
+            r->status = EG_ERR_VXLAN_FLAGS;
             continue;
         }
         if ((((uint32_t)d[4] << 16) | ((uint32_t)d[5] << 8) | d[6]) != vni) {
-            r->status = EG_ERR_VNI;
+            r->status = EG_ERR_UNKNOWN_VNI;
             continue;
         }
         uint32_t et = rd16(d + 20);
@@ -717,21 +735,14 @@ uint32_t eg_inbound_batch(const uint8_t *in, size_t in_len, const uint32_t *offs
         }
         const uint8_t *ip = d + EG_PREFIX_LEN;
         size_t avail = len - EG_PREFIX_LEN;
-        if (avail < 20) {
-            r->status = EG_ERR_SHORT;
+        if (avail < 20 || (ip[0] >> 4) != 4 || (ip[0] & 15) < 5) {
+            r->status = EG_ERR_IP_HEADER;
             continue;
         }
-        if ((ip[0] >> 4) != 4 || (ip[0] & 15) < 5) {
-            r->status = EG_ERR_IP;
-            continue;
-        }
+        /* A header longer than the datagram fails here too (tot >= ihl > avail), as in inner_ipv4. */
         uint32_t ihl = (uint32_t)(ip[0] & 15) * 4, tot = rd16(ip + 2);
-        if (ihl > avail) {
-            r->status = EG_ERR_SHORT;
-            continue;
-        }
         if (tot < ihl || tot > avail) { /* bytes past tot are Ethernet padding */
-            r->status = EG_ERR_LEN;
+            r->status = EG_ERR_IP_LENGTH;
             continue;
         }
         r->dst = rd32(ip + 16);
@@ -778,7 +789,7 @@ uint32_t eg_inbound_batch(const uint8_t *in, size_t in_len, const uint32_t *offs
         size_t need = 4 + EG_VNET_HDR_LEN + (size_t)tot;
         if (need > out_cap - pos) {
             if (pos == 0) {
-                r->status = EG_ERR_SPACE;
+                r->status = EG_ERR_NO_SPACE;
                 r->dst = 0;
                 continue;
             }

@@ -17,23 +17,38 @@
 #define EG_VNET_HDR_LEN 10
 #define EG_PREFIX_LEN 22 /* VXLAN header 8 + inner Ethernet header 14 */
 
-/* Status codes: >= 0 success, < 0 refusal (fastpath.REASONS names them for metrics). */
+/* Status codes: >= 0 success, < 0 refusal. core_types.REASONS names each for metrics with the token the
+ * Python layer uses for the same fault (validate_outbound for guest frames, vxlan.decap/inner_ipv4 for
+ * datagrams from the exit), so one fault is counted under one name whichever layer saw it. */
 #define EG_OK 0
 #define EG_MERGED 1 /* inbound: appended to an earlier frame of the same batch */
 #define EG_ARP 2    /* inbound: an ARP frame, left to the caller */
-#define EG_ERR_SHORT -1
-#define EG_ERR_IP -2
-#define EG_ERR_LEN -3
-#define EG_ERR_GSO -4
-#define EG_ERR_CSUM -5
-#define EG_ERR_L4 -6
-#define EG_ERR_ICMP -7
-#define EG_ERR_SIZE -8
-#define EG_ERR_SPACE -9
-#define EG_ERR_VXLAN -10
-#define EG_ERR_VNI -11
-#define EG_ERR_ETHERTYPE -12
-#define EG_ERR_IP_OPTIONS -13
+/* Only here: the caller's (offset, length) lies outside its input buffer, or a NULL buffer: our bug. */
+#define EG_ERR_SLICE -1             /* bad_slice */
+/* Outbound (guest frames), in the order the checks run. */
+#define EG_ERR_SHORT_HEADER -2      /* short_header */
+#define EG_ERR_IP_HEADER -3         /* bad_ip_header */
+#define EG_ERR_IP_OPTIONS -4        /* ip_options */
+#define EG_ERR_IP_LENGTH -5         /* bad_ip_length (also inbound) */
+#define EG_ERR_L4_HEADER -6         /* bad_l4_header */
+#define EG_ERR_ICMP_QUOTE -7        /* bad_icmp_quote */
+#define EG_ERR_FRAGMENT -8          /* fragment: here only a fragment asking for a checksum or GSO */
+#define EG_ERR_UNSUPPORTED_PROTO -9 /* unsupported_proto: here only a checksum asked on one */
+#define EG_ERR_ICMP_CSUM -10        /* icmp_csum */
+#define EG_ERR_CSUM_START -11       /* bad_csum_start */
+#define EG_ERR_CSUM_OFFSET -12      /* bad_csum_offset */
+#define EG_ERR_GSO_TYPE -13         /* bad_gso_type */
+#define EG_ERR_GSO_PROTO -14        /* gso_proto_mismatch */
+#define EG_ERR_ZERO_GSO_SIZE -15    /* zero_gso_size */
+#define EG_ERR_SIZE -16             /* size */
+/* Only here: the caller's output buffer (or send array) cannot hold even this one frame. */
+#define EG_ERR_NO_SPACE -17         /* no_space */
+/* Inbound (VXLAN datagrams), in order; bad_ip_header and bad_ip_length as above. */
+#define EG_ERR_SHORT_VXLAN -18      /* short_vxlan */
+#define EG_ERR_SHORT_ETHERNET -19   /* short_ethernet */
+#define EG_ERR_VXLAN_FLAGS -20      /* vxlan_flags */
+#define EG_ERR_UNKNOWN_VNI -21      /* unknown_vni */
+#define EG_ERR_ETHERTYPE -22        /* unsupported_ethertype */
 
 struct eg_out_params {
     uint32_t claim;          /* the claim's overlay address: every source becomes this */

@@ -19,34 +19,55 @@ UDP_MAX_SEGMENTS = 64  # Linux 6.1's UDP_MAX_SEGMENTS (128 from 6.9); the daemon
 OK = 0
 MERGED = 1
 ARP = 2
-ERR_SHORT = -1
-ERR_IP = -2
-ERR_LEN = -3
-ERR_GSO = -4
-ERR_CSUM = -5
-ERR_L4 = -6
-ERR_ICMP = -7
-ERR_SIZE = -8
-ERR_SPACE = -9
-ERR_VXLAN = -10
-ERR_VNI = -11
-ERR_ETHERTYPE = -12
-ERR_IP_OPTIONS = -13
+ERR_SLICE = -1
+ERR_SHORT_HEADER = -2
+ERR_IP_HEADER = -3
+ERR_IP_OPTIONS = -4
+ERR_IP_LENGTH = -5
+ERR_L4_HEADER = -6
+ERR_ICMP_QUOTE = -7
+ERR_FRAGMENT = -8
+ERR_UNSUPPORTED_PROTO = -9
+ERR_ICMP_CSUM = -10
+ERR_CSUM_START = -11
+ERR_CSUM_OFFSET = -12
+ERR_GSO_TYPE = -13
+ERR_GSO_PROTO = -14
+ERR_ZERO_GSO_SIZE = -15
+ERR_SIZE = -16
+ERR_NO_SPACE = -17
+ERR_SHORT_VXLAN = -18
+ERR_SHORT_ETHERNET = -19
+ERR_VXLAN_FLAGS = -20
+ERR_UNKNOWN_VNI = -21
+ERR_ETHERTYPE = -22
 
+# The metrics token of each refusal: the Python layer's name for the same fault (validate.py for guest
+# frames, vxlan.py for datagrams from the exit). Only bad_slice and no_space are the core's own: they
+# are the caller's doing, not the peer's.
 REASONS: dict[int, str] = {
-    ERR_SHORT: "short",
-    ERR_IP: "bad_ip_header",
-    ERR_LEN: "bad_ip_length",
-    ERR_GSO: "bad_gso",
-    ERR_CSUM: "bad_csum_request",
-    ERR_L4: "bad_l4_header",
-    ERR_ICMP: "bad_icmp_quote",
-    ERR_SIZE: "size",
-    ERR_SPACE: "no_space",
-    ERR_VXLAN: "vxlan_flags",
-    ERR_VNI: "vxlan_vni",
-    ERR_ETHERTYPE: "ethertype",
+    ERR_SLICE: "bad_slice",
+    ERR_SHORT_HEADER: "short_header",
+    ERR_IP_HEADER: "bad_ip_header",
     ERR_IP_OPTIONS: "ip_options",
+    ERR_IP_LENGTH: "bad_ip_length",
+    ERR_L4_HEADER: "bad_l4_header",
+    ERR_ICMP_QUOTE: "bad_icmp_quote",
+    ERR_FRAGMENT: "fragment",
+    ERR_UNSUPPORTED_PROTO: "unsupported_proto",
+    ERR_ICMP_CSUM: "icmp_csum",
+    ERR_CSUM_START: "bad_csum_start",
+    ERR_CSUM_OFFSET: "bad_csum_offset",
+    ERR_GSO_TYPE: "bad_gso_type",
+    ERR_GSO_PROTO: "gso_proto_mismatch",
+    ERR_ZERO_GSO_SIZE: "zero_gso_size",
+    ERR_SIZE: "size",
+    ERR_NO_SPACE: "no_space",
+    ERR_SHORT_VXLAN: "short_vxlan",
+    ERR_SHORT_ETHERNET: "short_ethernet",
+    ERR_VXLAN_FLAGS: "vxlan_flags",
+    ERR_UNKNOWN_VNI: "unknown_vni",
+    ERR_ETHERTYPE: "unsupported_ethertype",
 }
 
 

@@ -13,19 +13,28 @@ from dataclasses import dataclass
 
 from forwarder.egress.core_types import (
     ARP,
-    ERR_CSUM,
+    ERR_CSUM_OFFSET,
+    ERR_CSUM_START,
     ERR_ETHERTYPE,
-    ERR_GSO,
-    ERR_ICMP,
-    ERR_IP,
+    ERR_FRAGMENT,
+    ERR_GSO_PROTO,
+    ERR_GSO_TYPE,
+    ERR_ICMP_CSUM,
+    ERR_ICMP_QUOTE,
+    ERR_IP_HEADER,
+    ERR_IP_LENGTH,
     ERR_IP_OPTIONS,
-    ERR_L4,
-    ERR_LEN,
-    ERR_SHORT,
+    ERR_L4_HEADER,
+    ERR_NO_SPACE,
+    ERR_SHORT_ETHERNET,
+    ERR_SHORT_HEADER,
+    ERR_SHORT_VXLAN,
     ERR_SIZE,
-    ERR_SPACE,
-    ERR_VNI,
-    ERR_VXLAN,
+    ERR_SLICE,
+    ERR_UNKNOWN_VNI,
+    ERR_UNSUPPORTED_PROTO,
+    ERR_VXLAN_FLAGS,
+    ERR_ZERO_GSO_SIZE,
     MERGED,
     OK,
     PREFIX_LEN,
@@ -127,18 +136,20 @@ class Outbound:
 
 def parse_out(f: Buf) -> tuple[int, Outbound | None]:
     """Judge a frame (vnet hdr + IPv4) the way ``parse_out`` in C does: (status, shape)."""
+    if len(f) < VNET_HDR_LEN:
+        return ERR_SHORT_HEADER, None
     if len(f) < VNET_HDR_LEN + 20:
-        return ERR_SHORT, None
+        return ERR_IP_HEADER, None
     ip = VNET_HDR_LEN
     avail = len(f) - VNET_HDR_LEN
     if f[ip] >> 4 != 4 or f[ip] & 15 < 5:
-        return ERR_IP, None
+        return ERR_IP_HEADER, None
     if f[ip] & 15 != 5:
         return ERR_IP_OPTIONS, None
     ihl = 20
     tot = _u16(f, ip + 2)
     if tot < ihl or tot > avail:
-        return ERR_LEN, None
+        return ERR_IP_LENGTH, None
     fragw = _u16(f, ip + 6)
     frag = bool(fragw & (IP_MF | IP_OFFMASK))
     has_l4 = not fragw & IP_OFFMASK
@@ -150,43 +161,55 @@ def parse_out(f: Buf) -> tuple[int, Outbound | None]:
     if has_l4:
         if proto == 6:
             if l4len < 20:
-                return ERR_SHORT, None
+                return ERR_L4_HEADER, None
             l4h = (f[l4 + 12] >> 4) * 4
             if l4h < 20 or l4h > l4len:
-                return ERR_L4, None
+                return ERR_L4_HEADER, None
         elif proto == 17:
             if l4len < 8:
-                return ERR_SHORT, None
+                return ERR_L4_HEADER, None
             l4h = 8
         elif proto == 1 and l4len >= 1 and f[l4] in (3, 11, 12):
+            if l4len < 8:
+                return ERR_L4_HEADER, None
             if l4len < 28:
-                return ERR_ICMP, None
+                return ERR_ICMP_QUOTE, None
             e = l4 + 8
             if f[e] >> 4 != 4 or f[e] & 15 < 5:
-                return ERR_ICMP, None
+                return ERR_ICMP_QUOTE, None
             icmp_err = True
     flags, gso_type = f[0], f[1]
     gso_size, csum_start, csum_offset = _le16(f, 4), _le16(f, 6), _le16(f, 8)
     if flags & NEEDS_CSUM:
-        if not has_l4 or frag or proto not in (6, 17):
-            return ERR_CSUM, None
-        if csum_start != ihl or csum_offset != (16 if proto == 6 else 6):
-            return ERR_CSUM, None
+        if frag:
+            return ERR_FRAGMENT, None
+        if proto == 1:
+            return ERR_ICMP_CSUM, None
+        if proto not in (6, 17):
+            return ERR_UNSUPPORTED_PROTO, None
+        if csum_start != ihl:
+            return ERR_CSUM_START, None
+        if csum_offset != (16 if proto == 6 else 6):
+            return ERR_CSUM_OFFSET, None
     gso = gso_type & ~GSO_ECN
     ecn = gso_type & GSO_ECN
     if gso == GSO_NONE:
         if ecn:
-            return ERR_GSO, None
+            return ERR_GSO_TYPE, None
     elif gso == GSO_TCPV4:
         if proto != 6:
-            return ERR_GSO, None
+            return ERR_GSO_PROTO, None
     elif gso == GSO_UDP_L4:
-        if proto != 17 or ecn:
-            return ERR_GSO, None
+        if proto != 17:
+            return ERR_GSO_PROTO, None
+        if ecn:
+            return ERR_GSO_TYPE, None
     else:
-        return ERR_GSO, None
-    if gso != GSO_NONE and (frag or gso_size == 0):
-        return ERR_GSO, None
+        return ERR_GSO_TYPE, None
+    if gso != GSO_NONE and frag:
+        return ERR_FRAGMENT, None
+    if gso != GSO_NONE and gso_size == 0:
+        return ERR_ZERO_GSO_SIZE, None
     return OK, Outbound(tot, ihl, proto, l4h, flags, gso, gso_size, has_l4, icmp_err)
 
 
@@ -298,7 +321,7 @@ def segment(frame: Buf, p: OutParams, cap: int) -> tuple[int, bytes, SegInfo | N
     if info is None:
         return st, b"", None
     if info.bytes > cap:
-        return ERR_SPACE, b"", None
+        return ERR_NO_SPACE, b"", None
     return OK, b"".join(_build(frame, k, p)), info
 
 
@@ -329,7 +352,7 @@ def outbound_batch(
     for off, ln in zip(offs, lens, strict=True):
         pos = len(out)
         if off > len(inbuf) or ln > len(inbuf) - off:
-            results.append(OutResult(ERR_SHORT, 0, pos, 0))
+            results.append(OutResult(ERR_SLICE, 0, pos, 0))
             continue
         f = inbuf[off : off + ln]
         st, k = parse_out(f)
@@ -341,7 +364,7 @@ def outbound_batch(
             continue
         if info.bytes > out_cap - pos or info.packets > max_sends - sends_used:
             if pos == 0 and sends_used == 0:
-                results.append(OutResult(ERR_SPACE, 0, pos, 0))
+                results.append(OutResult(ERR_NO_SPACE, 0, pos, 0))
                 continue
             break
         recs = _build(f, k, p)
@@ -385,28 +408,26 @@ def inbound_batch(
     open_: list[int] | None = None
     for off, ln in zip(offs, lens, strict=True):
         if off > len(inbuf) or ln > len(inbuf) - off:
-            results.append(InResult(ERR_SHORT, 0, 0, 0))
+            results.append(InResult(ERR_SLICE, 0, 0, 0))
             continue
         d = inbuf[off : off + ln]
         st = OK
-        if ln < PREFIX_LEN:
-            st = ERR_SHORT
+        if ln < 8:
+            st = ERR_SHORT_VXLAN
+        elif ln < PREFIX_LEN:
+            st = ERR_SHORT_ETHERNET
         elif not d[0] & 0x08:
-            st = ERR_VXLAN
+            st = ERR_VXLAN_FLAGS
         elif int.from_bytes(d[4:7], "big") != vni:
-            st = ERR_VNI
+            st = ERR_UNKNOWN_VNI
         elif _u16(d, 20) == 0x0806:
             st = ARP
         elif _u16(d, 20) != 0x0800:
             st = ERR_ETHERTYPE
-        elif ln - PREFIX_LEN < 20:
-            st = ERR_SHORT
-        elif d[22] >> 4 != 4 or d[22] & 15 < 5:
-            st = ERR_IP
-        elif (d[22] & 15) * 4 > ln - PREFIX_LEN:
-            st = ERR_SHORT
+        elif ln - PREFIX_LEN < 20 or d[22] >> 4 != 4 or d[22] & 15 < 5:
+            st = ERR_IP_HEADER
         elif not (d[22] & 15) * 4 <= _u16(d, 24) <= ln - PREFIX_LEN:
-            st = ERR_LEN
+            st = ERR_IP_LENGTH
         if st != OK:
             results.append(InResult(st, 0, 0, 0))
             continue
@@ -459,7 +480,7 @@ def inbound_batch(
         need = 14 + tot
         if need > out_cap - len(out):
             if not out:
-                results.append(InResult(ERR_SPACE, 0, 0, 0))
+                results.append(InResult(ERR_NO_SPACE, 0, 0, 0))
                 continue
             break
         foff = len(out)

@@ -17,7 +17,9 @@ from forwarder.egress import core_types as ct
 from forwarder.egress import fastpath as fp
 from forwarder.egress import reference as ref
 from forwarder.egress.core_types import VNET_HDR_LEN
+from forwarder.egress.errors import InboundRefused
 from forwarder.egress.stream import FrameDecoder
+from forwarder.egress.vxlan import decap, inner_ipv4
 
 TH = dpkt.tcp
 OTHER = CLAIM + 1  # a claim whose guest did not offer TSO4
@@ -201,14 +203,15 @@ def test_interleaved_flows_and_arp_between() -> None:
 
 
 REFUSED = {
-    "short": (b"\x08" + bytes(10), ct.ERR_SHORT),
-    "no-i-flag": (b"\x00" + vxlan_datagram(BASE)[1:], ct.ERR_VXLAN),
-    "other-vni": (vxlan_datagram(BASE, vni=VNI + 1), ct.ERR_VNI),
+    "short-vxlan": (vxlan_datagram(BASE)[:7], ct.ERR_SHORT_VXLAN),
+    "short-ethernet": (vxlan_datagram(BASE)[:21], ct.ERR_SHORT_ETHERNET),
+    "no-i-flag": (b"\x00" + vxlan_datagram(BASE)[1:], ct.ERR_VXLAN_FLAGS),
+    "other-vni": (vxlan_datagram(BASE, vni=VNI + 1), ct.ERR_UNKNOWN_VNI),
     "ipv6-ethertype": (vxlan_datagram(BASE)[:20] + b"\x86\xdd" + BASE, ct.ERR_ETHERTYPE),
-    "ip-short": (vxlan_datagram(BASE[:19]), ct.ERR_SHORT),
-    "ip-version": (vxlan_datagram(b"\x65" + BASE[1:]), ct.ERR_IP),
-    "ihl-past-end": (vxlan_datagram(b"\x4f" + BASE[1:40]), ct.ERR_SHORT),
-    "total-over": (vxlan_datagram(BASE[:2] + (len(BASE) + 1).to_bytes(2, "big") + BASE[4:]), ct.ERR_LEN),
+    "ip-short": (vxlan_datagram(BASE[:19]), ct.ERR_IP_HEADER),
+    "ip-version": (vxlan_datagram(b"\x65" + BASE[1:]), ct.ERR_IP_HEADER),
+    "ihl-past-end": (vxlan_datagram(b"\x4f" + BASE[1:40]), ct.ERR_IP_LENGTH),
+    "total-over": (vxlan_datagram(BASE[:2] + (len(BASE) + 1).to_bytes(2, "big") + BASE[4:]), ct.ERR_IP_LENGTH),
 }
 
 
@@ -220,13 +223,23 @@ def test_refused(name: str) -> None:
     assert b.result(1).status == ct.OK and b.result(1).off == 0
 
 
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refusal_named_as_vxlan_py_names_it(name: str) -> None:
+    # The same datagram through the Python codec (decap, then inner_ipv4) is refused under the same
+    # metrics token: one fault, one name.
+    d, status = REFUSED[name]
+    with pytest.raises(InboundRefused) as exc:
+        inner_ipv4(decap(d, "exit", {"exit"}, vni=VNI))
+    assert exc.value.reason == ct.REASONS[status]
+
+
 def test_out_of_space_stops_and_oversize_is_refused() -> None:
     segs = [vxlan_datagram(udp(b"x" * 100, src=REMOTE, dst=CLAIM)) for _ in range(5)]
     one = 4 + 10 + 128
     k, _ = run_both(segs, [], out_cap=2 * one + 5)
     assert k == 2
     k, b = run_both(segs, [], out_cap=one - 1)
-    assert k == 5 and all(b.result(i).status == ct.ERR_SPACE for i in range(5))
+    assert k == 5 and all(b.result(i).status == ct.ERR_NO_SPACE for i in range(5))
     # a merge that does not fit ends the batch as well
     k, b = run_both([vxlan_datagram(s) for s in flow(3)], [CLAIM], out_cap=14 + 1488 + 1448 + 100)
     assert k == 2 and b.result(1).status == ct.MERGED

@@ -182,35 +182,39 @@ def mutate(ip: bytes, at: int, value: bytes) -> bytes:
 
 
 REFUSALS = [
-    ("empty", b"", ct.ERR_SHORT),
-    ("vnet-only", vnet(), ct.ERR_SHORT),
-    ("ip-19", vnet() + T[:19], ct.ERR_SHORT),
-    ("version-6", vnet() + mutate(T, 0, b"\x65"), ct.ERR_IP),
-    ("ihl-4", vnet() + mutate(T, 0, b"\x44"), ct.ERR_IP),
+    ("empty", b"", ct.ERR_SHORT_HEADER),
+    ("vnet-9", vnet()[:9], ct.ERR_SHORT_HEADER),
+    ("vnet-only", vnet(), ct.ERR_IP_HEADER),
+    ("ip-19", vnet() + T[:19], ct.ERR_IP_HEADER),
+    ("version-6", vnet() + mutate(T, 0, b"\x65"), ct.ERR_IP_HEADER),
+    ("ihl-4", vnet() + mutate(T, 0, b"\x44"), ct.ERR_IP_HEADER),
     ("ihl-past-end", vnet() + mutate(T, 0, b"\x4f")[:40], ct.ERR_IP_OPTIONS),
-    ("total-over", vnet() + mutate(T, 2, (len(T) + 1).to_bytes(2, "big")), ct.ERR_LEN),
-    ("total-under-ihl", vnet() + mutate(T, 2, b"\x00\x13"), ct.ERR_LEN),
-    ("tcp-short", vnet() + mutate(T[:39], 2, (39).to_bytes(2, "big")), ct.ERR_SHORT),
-    ("tcp-doff-4", vnet() + mutate(T, 32, b"\x40"), ct.ERR_L4),
-    ("tcp-doff-past-end", vnet() + mutate(T, 32, b"\xf0"), ct.ERR_L4),
-    ("udp-short", vnet() + mutate(U[:27], 2, (27).to_bytes(2, "big")), ct.ERR_SHORT),
-    ("icmp-error-short-quote", vnet() + icmp_error(3, b"\x45" + bytes(10)), ct.ERR_ICMP),
-    ("icmp-error-quote-not-v4", vnet() + icmp_error(11, b"\x60" + bytes(27)), ct.ERR_ICMP),
+    ("total-over", vnet() + mutate(T, 2, (len(T) + 1).to_bytes(2, "big")), ct.ERR_IP_LENGTH),
+    ("total-under-ihl", vnet() + mutate(T, 2, b"\x00\x13"), ct.ERR_IP_LENGTH),
+    ("tcp-short", vnet() + mutate(T[:39], 2, (39).to_bytes(2, "big")), ct.ERR_L4_HEADER),
+    ("tcp-doff-4", vnet() + mutate(T, 32, b"\x40"), ct.ERR_L4_HEADER),
+    ("tcp-doff-past-end", vnet() + mutate(T, 32, b"\xf0"), ct.ERR_L4_HEADER),
+    ("udp-short", vnet() + mutate(U[:27], 2, (27).to_bytes(2, "big")), ct.ERR_L4_HEADER),
+    ("icmp-error-under-8", vnet() + mutate(icmp_error(3, b"")[:25], 2, (25).to_bytes(2, "big")), ct.ERR_L4_HEADER),
+    ("icmp-error-short-quote", vnet() + icmp_error(3, b"\x45" + bytes(10)), ct.ERR_ICMP_QUOTE),
+    ("icmp-error-quote-not-v4", vnet() + icmp_error(11, b"\x60" + bytes(27)), ct.ERR_ICMP_QUOTE),
     # The checksum write aimed at the IPv4 destination (csum_start 0, offset 16) must never happen.
-    ("csum-into-ip-dst", with_hdr(T, flags=1, start=0, offset=16), ct.ERR_CSUM),
-    ("csum-into-ip-src", with_hdr(T, flags=1, start=0, offset=12), ct.ERR_CSUM),
-    ("csum-start-off", with_hdr(T, flags=1, start=20, offset=18), ct.ERR_CSUM),
-    ("csum-udp-tcp-offset", with_hdr(U, flags=1, start=20, offset=16), ct.ERR_CSUM),
-    ("csum-icmp", with_hdr(icmp_echo(), flags=1, start=20, offset=2), ct.ERR_CSUM),
-    ("csum-fragment", vnet(1, 0, 0, 0, 20, 16) + mutate(T, 6, b"\x20\x00"), ct.ERR_CSUM),
-    ("tso-on-udp", with_hdr(U, flags=1, gso_type=1, gso_size=100, start=20, offset=6), ct.ERR_GSO),
-    ("uso-on-tcp", with_hdr(T, flags=1, gso_type=5, gso_size=100, start=20, offset=16), ct.ERR_GSO),
-    ("ecn-on-uso", with_hdr(U, flags=1, gso_type=0x85, gso_size=100, start=20, offset=6), ct.ERR_GSO),
-    ("ecn-without-gso", with_hdr(T, gso_type=0x80), ct.ERR_GSO),
-    ("gso-ufo", with_hdr(U, gso_type=3, gso_size=100), ct.ERR_GSO),
-    ("gso-tcpv6", with_hdr(T, gso_type=4, gso_size=100), ct.ERR_GSO),
-    ("gso-size-0", with_hdr(T, flags=1, gso_type=1, gso_size=0, start=20, offset=16), ct.ERR_GSO),
-    ("gso-fragment", vnet(0, 1, 0, 100) + mutate(T, 6, b"\x20\x00"), ct.ERR_GSO),
+    ("csum-into-ip-dst", with_hdr(T, flags=1, start=0, offset=16), ct.ERR_CSUM_START),
+    ("csum-into-ip-src", with_hdr(T, flags=1, start=0, offset=12), ct.ERR_CSUM_START),
+    ("csum-into-ip-dst-via-start", with_hdr(T, flags=1, start=16, offset=0), ct.ERR_CSUM_START),
+    ("csum-start-off", with_hdr(T, flags=1, start=20, offset=18), ct.ERR_CSUM_OFFSET),
+    ("csum-udp-tcp-offset", with_hdr(U, flags=1, start=20, offset=16), ct.ERR_CSUM_OFFSET),
+    ("csum-icmp", with_hdr(icmp_echo(), flags=1, start=20, offset=2), ct.ERR_ICMP_CSUM),
+    ("csum-gre", with_hdr(mutate(T, 9, b"\x2f"), flags=1, start=20, offset=16), ct.ERR_UNSUPPORTED_PROTO),
+    ("csum-fragment", vnet(1, 0, 0, 0, 20, 16) + mutate(T, 6, b"\x20\x00"), ct.ERR_FRAGMENT),
+    ("tso-on-udp", with_hdr(U, flags=1, gso_type=1, gso_size=100, start=20, offset=6), ct.ERR_GSO_PROTO),
+    ("uso-on-tcp", with_hdr(T, flags=1, gso_type=5, gso_size=100, start=20, offset=16), ct.ERR_GSO_PROTO),
+    ("ecn-on-uso", with_hdr(U, flags=1, gso_type=0x85, gso_size=100, start=20, offset=6), ct.ERR_GSO_TYPE),
+    ("ecn-without-gso", with_hdr(T, gso_type=0x80), ct.ERR_GSO_TYPE),
+    ("gso-ufo", with_hdr(U, gso_type=3, gso_size=100), ct.ERR_GSO_TYPE),
+    ("gso-tcpv6", with_hdr(T, gso_type=4, gso_size=100), ct.ERR_GSO_TYPE),
+    ("gso-size-0", with_hdr(T, flags=1, gso_type=1, gso_size=0, start=20, offset=16), ct.ERR_ZERO_GSO_SIZE),
+    ("gso-fragment", vnet(0, 1, 0, 100) + mutate(T, 6, b"\x20\x00"), ct.ERR_FRAGMENT),
 ]
 
 
@@ -218,6 +222,21 @@ REFUSALS = [
 def test_refusals(frame: bytes, status: int) -> None:
     assert both(frame)[0] == status
     assert status in ct.REASONS
+
+
+@pytest.mark.parametrize(("frame", "status"), [(f, s) for _, f, s in REFUSALS], ids=[n for n, _, _ in REFUSALS])
+def test_refusal_named_as_the_validator_names_it(frame: bytes, status: int) -> None:
+    # Each frame above has one fault; the validator, which runs first in the router, refuses it under
+    # the same metrics token, so a fault is counted under one name whichever layer saw it.
+    with pytest.raises(FrameRefused) as exc:
+        validate_outbound(frame, 65535)
+    assert exc.value.reason == ct.REASONS[status]
+
+
+def test_every_outbound_status_has_a_refusal_case() -> None:
+    seen = {s for _, _, s in REFUSALS} | {ct.ERR_SIZE, ct.ERR_NO_SPACE, ct.ERR_SLICE}  # test_core_segment
+    inbound = {ct.ERR_SHORT_VXLAN, ct.ERR_SHORT_ETHERNET, ct.ERR_VXLAN_FLAGS, ct.ERR_UNKNOWN_VNI, ct.ERR_ETHERTYPE}
+    assert seen | inbound == set(ct.REASONS)
 
 
 def test_later_fragment_rewrites_ip_only() -> None:

@@ -25,6 +25,7 @@ from core_packets import (
 from forwarder.egress import core_types as ct
 from forwarder.egress import fastpath as fp
 from forwarder.egress import reference as ref
+from forwarder.egress.errors import FrameRefused
 from forwarder.egress.validate import validate_outbound
 
 TH = dpkt.tcp
@@ -221,25 +222,35 @@ def test_plain_needs_csum_frame_gets_full_checksum(ip: bytes) -> None:
     assert bytes(pkt.data.data) == bytes(dpkt.ip.IP(ip).data.data)
 
 
-def test_size_refusals() -> None:
-    assert seg_both(vnet() + tcp(b"x" * 1461), params(1500))[0] == ct.ERR_SIZE  # plain over the MTU
-    assert seg_both(tso(3000, 1461), params(1500))[0] == ct.ERR_SIZE  # segment over the MTU
+@pytest.mark.parametrize(
+    ("frame", "mtu"),
+    [(vnet() + tcp(b"x" * 1461), 1500), (tso(3000, 1461), 1500), (tso(129, 1), 65535)],
+    ids=["plain-over-mtu", "segment-over-mtu", "129-packets"],
+)
+def test_size_refusals(frame: bytes, mtu: int) -> None:
+    assert seg_both(frame, params(mtu, 128))[0] == ct.ERR_SIZE
+    with pytest.raises(FrameRefused) as exc:  # the validator's name for the same fault
+        validate_outbound(frame, mtu)
+    assert exc.value.reason == ct.REASONS[ct.ERR_SIZE]
+
+
+def test_size_bounds_pass() -> None:
+    assert seg_both(vnet() + tcp(b"x" * 1460), params(1500))[0] == ct.OK
     assert seg_both(tso(3000, 1460), params(1500))[0] == ct.OK
-    assert seg_both(tso(129, 1), params(65535, 128))[0] == ct.ERR_SIZE  # over 128 packets
     assert seg_both(tso(128, 1), params(65535, 128))[0] == ct.OK
 
 
 def test_space_refusal_writes_nothing() -> None:
     frame = tso(3000, 1000)
     need = 3 * (22 + 40) + 3000
-    assert seg_both(frame, params(1500), cap=need - 1)[0] == ct.ERR_SPACE
+    assert seg_both(frame, params(1500), cap=need - 1)[0] == ct.ERR_NO_SPACE
     assert seg_both(frame, params(1500), cap=need)[0] == ct.OK
 
 
 def test_seeds_of_the_spec_are_refused() -> None:
     # A TCP GSO type on a UDP packet, and a checksum offset aimed into the IPv4 header.
-    assert seg_both(vnet(1, 1, 28, 100, 20, 6) + udp(b"u" * 500), params())[0] == ct.ERR_GSO
-    assert seg_both(vnet(1, 0, 0, 0, 0, 16) + tcp(b"t"), params())[0] == ct.ERR_CSUM
+    assert seg_both(vnet(1, 1, 28, 100, 20, 6) + udp(b"u" * 500), params())[0] == ct.ERR_GSO_PROTO
+    assert seg_both(vnet(1, 0, 0, 0, 0, 16) + tcp(b"t"), params())[0] == ct.ERR_CSUM_START
 
 
 def test_frames_validated_by_the_validator_all_segment() -> None:
@@ -306,14 +317,14 @@ def test_batch_mixed_frames_and_sends() -> None:
         vnet() + tcp(b"b" * 10),  # same size: joins the previous send
         vnet() + tcp(b"c" * 5),  # shorter: ends it
         vnet() + tcp(b"d" * 10),
-        b"\x00" * 12,  # refused: short
+        b"\x00" * 12,  # refused: bad_ip_header (2 bytes of IPv4)
         uso(10000, 1000),
         csum_frame(udp(b"x" * 100)),
         vnet(1, 1, 0, 100, 20, 6) + udp(b"u" * 500),  # refused: TCP GSO on UDP
     ]
     k, b = batch_both(frames, p, 1 << 20, 1024)
     assert k == len(frames)
-    assert [b.result(i).status for i in range(k)] == [0, 0, 0, 0, 0, ct.ERR_SHORT, 0, 0, ct.ERR_GSO]
+    assert [b.result(i).status for i in range(k)] == [0, 0, 0, 0, 0, ct.ERR_IP_HEADER, 0, 0, ct.ERR_GSO_PROTO]
     check_sends(b, p)
     sends = b.send_list()
     assert sends[0].count == ct.UDP_MAX_SEGMENTS - 20 or sends[0].len <= p.max_send_bytes
@@ -331,7 +342,7 @@ def test_batch_stops_when_the_buffer_is_full_and_resumes() -> None:
     assert k2 == 2
     # A frame that cannot fit even an empty buffer is consumed as refused, not retried forever.
     k3, b3 = batch_both([tso(20000, 1448)], p, one - 1, 1024)
-    assert k3 == 1 and b3.result(0).status == ct.ERR_SPACE
+    assert k3 == 1 and b3.result(0).status == ct.ERR_NO_SPACE
     # Too few send slots stops the batch as well.
     k4, _ = batch_both(frames, p, 1 << 20, 14)
     assert k4 == 1
@@ -342,7 +353,7 @@ def test_batch_bad_offsets_are_refused_not_read() -> None:
     b = fp.OutboundBatch(p, max_frames=3, out_capacity=1 << 16)
     b.set_frames([(0, 100), (1 << 31, 40), (50, 1 << 31)])
     assert b.run(bytes(40)) == 3
-    assert [b.result(i).status for i in range(3)] == [ct.ERR_SHORT] * 3
+    assert [b.result(i).status for i in range(3)] == [ct.ERR_SLICE] * 3
 
 
 @pytest.mark.parametrize("max_gso_segs", [1, 2, 64, 128])
