@@ -41,6 +41,9 @@ class Handoff:
 class DataPlane(Protocol):
     name: str
 
+    def on_accept(self, sock: socket.socket) -> None:
+        """Called on each accepted socket before the handshake (kTLS attaches its ULP here)."""
+
     async def run(self, handoff: Handoff) -> Outcome: ...
 
 

@@ -258,9 +258,7 @@ class ForwarderServer:
         s = self.settings
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        on_accept = getattr(self.plane, "on_accept", None)
-        if on_accept is not None:
-            on_accept(sock)  # the ktls plane attaches the TLS ULP while the socket is ESTABLISHED
+        self.plane.on_accept(sock)  # the ktls plane attaches the TLS ULP while the socket is ESTABLISHED
         link = TlsLink(sock, self.ctx)
         try:
             async with asyncio.timeout(s.handshake_timeout):

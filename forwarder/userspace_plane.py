@@ -80,6 +80,10 @@ class _TlsFailure(Exception):
 class UserspacePlane:
     name = "userspace"
 
+    @staticmethod
+    def on_accept(sock: socket.socket) -> None:
+        pass  # nothing to prepare: TLS stays in user space
+
     async def run(self, h: Handoff) -> Outcome:
         drained = _Drained()
         up = asyncio.create_task(self._gateway_to_sandbox(h, drained), name="up")
