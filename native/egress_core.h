@@ -6,7 +6,8 @@
  * leaves the caller's buffers as they were.
  *
  * Numbers cross this interface in host order (addresses as the u32 value of a.b.c.d), bytes on the wire
- * in network order. The same declarations are repeated in native/build_egress.py's cdef.
+ * in network order. native/build_egress.py gives cffi this header (past the includes, comments dropped)
+ * as its cdef: keep it to plain integer #defines, structs and prototypes.
  */
 #ifndef EGRESS_CORE_H
 #define EGRESS_CORE_H

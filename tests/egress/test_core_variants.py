@@ -68,3 +68,17 @@ def test_variant_matches(define: str, tmp_path: Path) -> None:
     _, _, want_out = ref.inbound_batch(inbuf, list(offs), list(lens), 4242, [7], 1 << 16)
     assert bytes(obuf[: used[0]]) == want_out
     assert [r.status for r in res] == [0, 1, 1, 1, 1]
+
+
+def test_core_types_match_the_header() -> None:
+    # core_types (shared by the reference and the wrapper) repeats the header's constants for code that
+    # must not need the built module; the built module is the header's, so they must agree.
+    from native._egress import lib
+
+    from forwarder.egress import core_types as ct
+
+    names = [n for n in dir(lib) if n.startswith("EG_")]
+    assert len(names) == len(ct.REASONS) + 5
+    for n in names:
+        assert getattr(ct, n[3:]) == getattr(lib, n), n
+    assert set(ct.REASONS) == {getattr(lib, n) for n in names if n.startswith("EG_ERR_")}
