@@ -25,6 +25,7 @@ import time
 
 from forwarder import ktls
 from forwarder.metering import ConnMeter
+from forwarder.metrics import ForwarderMetrics
 from forwarder.planes import Handoff, Outcome, abort
 from forwarder.splice_pump import PumpEvent, PumpOutcome, SplicePump
 
@@ -67,7 +68,7 @@ def _close_fd(fd: int, *, reset: bool) -> None:
 class KtlsPlane:
     name = "ktls"
 
-    def __init__(self, *, threads: int = 1, max_conns: int = 65536) -> None:
+    def __init__(self, *, threads: int = 1, max_conns: int = 65536, metrics: ForwarderMetrics | None = None) -> None:
         result = ktls.probe()
         if not result.ok:
             raise KtlsUnavailable(result)
@@ -81,6 +82,7 @@ class KtlsPlane:
         # and refusals before the hand-over (install failures), by KtlsError reason.
         self.ends: collections.Counter[str] = collections.Counter()
         self.install_failures: collections.Counter[str] = collections.Counter()
+        self._metrics = metrics
 
     @staticmethod
     def prepare_context(ctx: ssl.SSLContext) -> None:
@@ -165,6 +167,8 @@ class KtlsPlane:
             )
         except ktls.KtlsError as e:
             self.install_failures[e.reason] += 1
+            if self._metrics:
+                self._metrics.plane_refusals.labels(self.name, e.reason).inc()
             log.warning(f"kernel TLS install refused: {e.reason} {e.detail}",
                         extra={"event": "ktls_install_failed", "reason": e.reason})
             abort(h.upstream)
@@ -197,6 +201,8 @@ class KtlsPlane:
         h.meter.down = ev.bytes_down
         h.meter.last_activity = time.monotonic()
         self.ends[ev.reason] += 1
+        if self._metrics:
+            self._metrics.plane_ends.labels(self.name, ev.reason).inc()
         if ev.outcome is not PumpOutcome.CLOSED:
             err = os.strerror(ev.err) if ev.err else "-"
             log.warning(f"pump ended the connection: {ev.outcome.name.lower()} {ev.reason} ({err})",

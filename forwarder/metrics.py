@@ -49,4 +49,16 @@ class ForwarderMetrics:
             registry=r,
             multiprocess_mode="max",
         )
+        self.plane_ends = Counter(
+            "sbxnet_forwarder_plane_ends",
+            "Why the data plane ended connections (kTLS: close_notify, tls_key_update, tls_decrypt_error, ...)",
+            ["plane", "reason"],
+            registry=r,
+        )
+        self.plane_refusals = Counter(
+            "sbxnet_forwarder_plane_refusals",
+            "Connections the data plane refused to take over (kTLS key installation), by reason",
+            ["plane", "reason"],
+            registry=r,
+        )
         self.reloads = Counter("sbxnet_forwarder_cert_reloads", "Certificate reloads by result", ["result"], registry=r)

@@ -66,7 +66,7 @@ def bind_listener(host: str, port: int, *, reuse_port: bool, backlog: int = 1024
     return sock
 
 
-def make_plane(settings: ForwarderSettings) -> DataPlane:
+def make_plane(settings: ForwarderSettings, metrics: ForwarderMetrics | None = None) -> DataPlane:
     if settings.data_plane == "userspace":
         from forwarder.userspace_plane import UserspacePlane
 
@@ -74,7 +74,7 @@ def make_plane(settings: ForwarderSettings) -> DataPlane:
     if settings.data_plane == "ktls":
         from forwarder.ktls_plane import KtlsPlane
 
-        return KtlsPlane()  # raises KtlsUnavailable (fail closed) where the kernel has no TLS
+        return KtlsPlane(metrics=metrics)  # raises KtlsUnavailable (fail closed) where the kernel has no TLS
     raise ValueError(f"unknown data plane {settings.data_plane!r}")
 
 
@@ -89,7 +89,7 @@ class ForwarderServer:
     ) -> None:
         self.settings = settings
         self.metrics = metrics or ForwarderMetrics()
-        self.plane = plane or make_plane(settings)
+        self.plane = plane or make_plane(settings, self.metrics)
         self.ctx = server_context(settings)
         self.acl = SanAllowlist(tuple(settings.client_san_allow))
         self.policy = self._policy(frozenset())

@@ -292,6 +292,7 @@ def test_key_update_from_gateway_closes_cleanly(fwd: ForwarderThread, kpki: Pki)
     assert got == [b"before"]  # and then an end of stream, not a reset
     fwd.wait_idle()
     assert plane(fwd).ends["tls_key_update"] == 1
+    assert fwd.sample("sbxnet_forwarder_plane_ends_total", {"plane": "ktls", "reason": "tls_key_update"}) == 1
     assert fwd.sample("sbxnet_forwarder_connections_total", {"outcome": "tls_error"}) == 1
 
 
@@ -321,6 +322,7 @@ def test_record_that_fails_to_decrypt(fwd: ForwarderThread, kpki: Pki) -> None:
     assert got == [] and errors == ["reset"]
     fwd.wait_idle()
     assert plane(fwd).ends["tls_decrypt_error"] == 1
+    assert fwd.sample("sbxnet_forwarder_plane_ends_total", {"plane": "ktls", "reason": "tls_decrypt_error"}) == 1
     assert fwd.sample("sbxnet_forwarder_connections_total", {"outcome": "tls_error"}) == 1
     assert ktls.tls_stat()["TlsDecryptError"] == before.get("TlsDecryptError", 0) + 1
 
