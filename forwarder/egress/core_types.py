@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from forwarder.egress.vnet import VNET_HDR_LEN as VNET_HDR_LEN  # re-exported: the contract in one import
+from forwarder.egress.vxlan import ETH_HDR_LEN, ETH_P_IP, VXLAN_HDR_LEN, push_ethernet, push_vxlan
+from forwarder.egress.vxlan import VXLAN_PORT as VXLAN_PORT
 from sbxnet.errors import LocalProtocolError
 
-VNET_HDR_LEN = 10
-PREFIX_LEN = 22  # VXLAN header (8) + inner Ethernet header (14) before every wire packet
-VXLAN_PORT = 4789
+PREFIX_LEN = VXLAN_HDR_LEN + ETH_HDR_LEN  # 22: VXLAN header + inner Ethernet header before every wire packet
 UDP_MAX_PAYLOAD_V4 = 65507  # most bytes one UDP send over IPv4 can carry
 UDP_MAX_SEGMENTS = 64  # Linux 6.1's UDP_MAX_SEGMENTS (128 from 6.9); the daemon may raise it
 
@@ -73,12 +74,9 @@ REASONS: dict[int, str] = {
 
 def vxlan_eth_prefix(vni: int, dst_mac: bytes, src_mac: bytes) -> bytes:
     """The 22 bytes put before every wire packet: VXLAN (I flag, ``vni``) + Ethernet (``dst_mac`` =
-    the exit gateway, ``src_mac`` = this router, type IPv4). Raises ``LocalProtocolError`` on bad input."""
-    if not 0 <= vni < 1 << 24:
-        raise LocalProtocolError("vni", f"{vni} outside 0..2^24-1")
-    if len(dst_mac) != 6 or len(src_mac) != 6:
-        raise LocalProtocolError("mac", "MAC addresses are 6 bytes")
-    return b"\x08\x00\x00\x00" + vni.to_bytes(3, "big") + b"\x00" + bytes(dst_mac) + bytes(src_mac) + b"\x08\x00"
+    the exit gateway, ``src_mac`` = this router, type IPv4), built by the same codec as every other
+    header the router sends. Raises ``LocalProtocolError`` on bad input."""
+    return push_vxlan(vni) + push_ethernet(bytes(dst_mac), bytes(src_mac), ETH_P_IP)
 
 
 @dataclass(frozen=True, slots=True)

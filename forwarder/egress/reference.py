@@ -45,6 +45,10 @@ from forwarder.egress.core_types import (
     SegInfo,
     Send,
 )
+from forwarder.egress.stream import FRAME_LEN_MAX, FRAME_LEN_MIN
+from forwarder.egress.validate import ICMP_ERROR_TYPES
+from forwarder.egress.vnet import GSO_ECN, GSO_NONE, GSO_TCPV4, GSO_UDP_L4
+from forwarder.egress.vnet import VIRTIO_NET_HDR_F_NEEDS_CSUM as NEEDS_CSUM
 
 Buf = bytes | bytearray | memoryview
 
@@ -52,9 +56,6 @@ IP_DF = 0x4000
 IP_MF = 0x2000
 IP_OFFMASK = 0x1FFF
 TH_FIN, TH_SYN, TH_RST, TH_PSH, TH_ACK, TH_URG, TH_CWR = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x80
-NEEDS_CSUM = 1
-GSO_NONE, GSO_TCPV4, GSO_UDP_L4, GSO_ECN = 0, 1, 5, 0x80
-MIN_FRAME, MAX_FRAME = 30, 65545
 
 
 def _u16(b: Buf, o: int) -> int:
@@ -169,7 +170,7 @@ def parse_out(f: Buf) -> tuple[int, Outbound | None]:
             if l4len < 8:
                 return ERR_L4_HEADER, None
             l4h = 8
-        elif proto == 1 and l4len >= 1 and f[l4] in (3, 11, 12):
+        elif proto == 1 and l4len >= 1 and f[l4] in ICMP_ERROR_TYPES:
             if l4len < 8:
                 return ERR_L4_HEADER, None
             if l4len < 28:
@@ -502,7 +503,7 @@ def split_frames(buf: Buf, max_frames: int) -> tuple[list[int], list[int], int, 
     pos = 0
     while len(offs) < max_frames and len(buf) - pos >= 4:
         fl = _u32(buf, pos)
-        if not MIN_FRAME <= fl <= MAX_FRAME:
+        if not FRAME_LEN_MIN <= fl <= FRAME_LEN_MAX:
             return offs, lens, pos, True
         if fl > len(buf) - pos - 4:
             break
