@@ -37,7 +37,9 @@ class ForwarderSettings(BaseSettings):
         default_factory=list, description="explicit exceptions to the always-refused address classes"
     )
 
-    data_plane: Literal["userspace", "ktls"] = "userspace"
+    data_plane: Literal["ktls", "userspace"] = Field(
+        "ktls", description="ktls (default; fails closed without kernel TLS) or userspace, chosen explicitly"
+    )
 
     preamble_max_bytes: int = Field(512, ge=32, le=4096)
     preamble_timeout: float = Field(2.0, gt=0, le=60)

@@ -38,6 +38,7 @@ def write_config(path: Path, pki: Pki, **extra: object) -> Path:
         'sandbox_prefixes = ["127.0.0.0/8"]',
         'allow_targets = ["127.0.0.1/32"]',
         "drain_timeout = 10",
+        'data_plane = "userspace"',
     ]
     for k, v in extra.items():
         lines.append(f"{k} = {v}")

@@ -67,6 +67,16 @@ def test_ktls_mode_refuses_to_start_without_kernel_tls(pki_dir: Path) -> None:
     assert "listening" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.skipif(ktls.probe().ok, reason="this kernel has TLS: the forwarder would start")
+def test_default_plane_is_ktls_and_fails_closed_too(pki_dir: Path) -> None:
+    env = forwarder_env(pki_dir, free_port(), "ktls")
+    del env["SBXNET_FORWARDER_DATA_PLANE"]
+    proc = subprocess.run([sys.executable, "-m", "sbxnet.cli", "forwarder"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "modprobe tls" in proc.stderr and 'data_plane = "userspace"' in proc.stderr
+
+
 @pytest.mark.skipif(ktls.probe().ok, reason="this kernel has TLS: the plane would start")
 def test_ktls_plane_cannot_be_built_without_kernel_tls() -> None:
     from forwarder.ktls_plane import KtlsPlane, KtlsUnavailable
