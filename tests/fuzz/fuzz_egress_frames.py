@@ -5,12 +5,17 @@ accepted frame is self-consistent (lengths, checksum position past the IPv4 head
 packet, MTU and segment bounds) and has a flow key; the decoder returns the same frames, and fails
 the same way, whatever the chunking. The first byte picks the MTU, the negotiated offloads and the mode:
 0 one frame (vnet header + IPv4) straight into validation, 1 a stream fed whole, 2 a stream fed in
-small chunks and compared with 1, 3 a 12-byte hello then a stream.
+small chunks and compared with 1, 3 a 12-byte hello then a stream. In stream modes the C splitter
+(``OutboundBatch.split``, what the daemon uses on its receive buffer) must find the same frames and
+the same framing loss as the decoder, and agree with its reference.
 """
 
 from __future__ import annotations
 
+from forwarder.egress import core_types as ct
+from forwarder.egress import reference as ref
 from forwarder.egress.errors import FrameRefused, FramingLost, HelloRefused
+from forwarder.egress.fastpath import OutboundBatch
 from forwarder.egress.flows import flow_key
 from forwarder.egress.limits import wire_cost
 from forwarder.egress.stream import FrameDecoder, negotiate, pull_hello, push_hello
@@ -29,6 +34,8 @@ MTUS = (1500, 576, 9000, 65535, 1280, 68, 1400, 16384)
 OFFLOADS = (HOST_OFFLOADS, 0, TUN_F_CSUM, TUN_F_CSUM | TUN_F_TSO4, TUN_F_CSUM | TUN_F_USO4, 0x7F, 0x7F, 0x7F)
 MODE_FRAME, MODE_STREAM, MODE_CHUNKED, MODE_HELLO = 0, 1, 2, 3
 CSUM_FIELD = {6: 16, 17: 6}
+_SPLIT_MAX = 4096
+_SPLIT = OutboundBatch(ct.OutParams(claim=0, prefix=bytes(ct.PREFIX_LEN)), max_frames=_SPLIT_MAX, out_capacity=1)
 
 
 def selector(mtu_i: int = 0, off_i: int = 0, mode: int = MODE_FRAME) -> int:
@@ -94,6 +101,7 @@ def _stream(body: bytes, mtu: int, offloads: int, chunked: bool) -> str:
     except FramingLost as exc:
         whole_err = exc.reason
         frames = [bytes(f) for f in exc.frames]
+    check_split(body, frames, whole_err is not None)
     if chunked:
         dec = FrameDecoder()
         got: list[bytes] = []
@@ -115,6 +123,16 @@ def _stream(body: bytes, mtu: int, offloads: int, chunked: bool) -> str:
         except FrameRefused as exc:  # one frame dropped, the stream goes on
             result = exc.reason if result == "ok" else result
     return whole_err or result
+
+
+def check_split(body: bytes, frames: list[bytes], lost: bool) -> None:
+    """The C splitter on ``body`` finds ``frames`` (what the decoder found) and the same framing loss."""
+    n, used, bad = _SPLIT.split(body)
+    offs, lens, used_r, bad_r = ref.split_frames(body, _SPLIT_MAX)
+    assert (n, used, bad) == (len(offs), used_r, bad_r)
+    assert [(_SPLIT.offs[i], _SPLIT.lens[i]) for i in range(n)] == list(zip(offs, lens, strict=True))
+    if n < _SPLIT_MAX:
+        assert [body[o : o + ln] for o, ln in zip(offs, lens, strict=True)] == frames and bad == lost
 
 
 def one_input(data: bytes) -> None:
