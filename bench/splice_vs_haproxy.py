@@ -158,7 +158,7 @@ defaults
     timeout connect 5s
     timeout client 60s
     timeout server 60s
-    option splice-auto
+    {splice}
 frontend fe
     bind 127.0.0.1:{port}
     default_backend be
@@ -183,6 +183,8 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=512, help="MiB per run (split across the connections)")
     ap.add_argument("--rounds", type=int, default=3, help="A B B A rounds per connection count")
     ap.add_argument("--threads", type=int, default=2, help="pump threads and HAProxy nbthread")
+    ap.add_argument("--haproxy-splice", choices=("auto", "always"), default="auto",
+                    help="HAProxy's splice-auto (default), or splice-request + splice-response forced on")
     ap.add_argument("--serve-pump", nargs=3, type=int, metavar=("PORT", "BACKEND", "THREADS"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -197,7 +199,9 @@ def main() -> int:
         f.write(os.urandom(64 << 20))
     p_port, h_port = free_port(), free_port()
     cfg = workdir / "haproxy.cfg"
-    cfg.write_text(HAPROXY_CFG.format(threads=args.threads, port=h_port, backend=sink.port))
+    forced = "option splice-request\n    option splice-response"
+    splice = "option splice-auto" if args.haproxy_splice == "auto" else forced
+    cfg.write_text(HAPROXY_CFG.format(threads=args.threads, port=h_port, backend=sink.port, splice=splice))
     procs = {
         "splice pump": subprocess.Popen([sys.executable, __file__, "--serve-pump", str(p_port), str(sink.port),
                                          str(args.threads)]),
