@@ -150,6 +150,40 @@ def test_every_gso_size_udp_1600_byte_frame() -> None:
             check_udp_segments(bytes(f), out, info)
 
 
+def test_every_gso_size_on_a_64k_tcp_frame() -> None:
+    # Every gso_size a 1500-byte MTU allows on one 64 KiB TSO frame, each record checked for what it must be
+    # (prefix, addresses, lengths, IP ID, sequence number, both checksums, payload carried exactly, in
+    # order); the reference compares byte for byte on the sizes test_64k_tcp_frame names.
+    opts = b"\x01\x01\x08\x0a" + bytes(8)
+    frame = bytearray(tso(65535 - 40 - 12, 1, opts=opts, seed=64))
+    hl = 20 + 20 + len(opts)
+    payload = bytes(frame[10 + hl :])
+    claim_dst = a4(CLAIM) + a4(REMOTE)
+    mv = memoryview(_OUT)
+    for g in range(1, 1500 - hl + 2):
+        frame[4:6] = g.to_bytes(2, "little")
+        st, info = fp.segment(frame, params(1500), _OUT)
+        if g == 1500 - hl + 1:  # one byte more and a segment is over the MTU
+            assert st == ct.ERR_SIZE
+            break
+        n = -(-len(payload) // g)
+        assert st == ct.OK and info is not None
+        assert (info.packets, info.bytes) == (n, n * (22 + hl) + len(payload))
+        assert info.stride == 22 + hl + min(g, len(payload))
+        got = []
+        for i in range(n):
+            rec = mv[i * info.stride : min((i + 1) * info.stride, info.bytes)]
+            pkt = rec[22:]
+            assert rec[:22] == PREFIX and pkt[12:20] == claim_dst
+            assert int.from_bytes(pkt[2:4], "big") == len(pkt)
+            assert int.from_bytes(pkt[4:6], "big") == (0xFFF0 + i) & 0xFFFF
+            assert int.from_bytes(pkt[24:28], "big") == (0xFFFFF000 + i * g) & 0xFFFFFFFF
+            assert fp.csum(pkt[:20]) == 0xFFFF
+            assert fp.csum(pkt[20:], ref.pseudo_sum(CLAIM, REMOTE, 6, len(pkt) - 20)) == 0xFFFF
+            got.append(pkt[hl:])
+        assert b"".join(got) == payload, g
+
+
 @pytest.mark.parametrize("gso_size", [1, 3, 100, 536, 1000, 1447, 1448, 1460, 1500])
 def test_64k_tcp_frame(gso_size: int) -> None:
     frame = tso(65535 - 40 - 12, gso_size, opts=b"\x01\x01\x08\x0a" + bytes(8), seed=gso_size)
