@@ -108,6 +108,13 @@ def run(args: argparse.Namespace) -> int:
         "certificates: spiffe://demo.sbxnet/gateway (allowed) and spiffe://demo.sbxnet/stranger (not)"
     )
 
+    from forwarder.ktls import probe
+
+    ktls = probe()
+    plane = "ktls" if ktls.ok else "userspace"
+    if not ktls.ok:
+        _say(f"kernel TLS is not available here ({ktls.cause}): the demo chooses the userspace data plane "
+             "explicitly (a forwarder left on the default ktls plane would refuse to start)")
     port, mport = _free_port(), _free_port()
     config = work / "forwarder.toml"
     config.write_text(
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         'sandbox_prefixes = ["127.0.0.0/8"]\n'
         "# loopback is refused unless explicitly allowed: the demo sandbox lives on 127.0.0.1\n"
         'allow_targets = ["127.0.0.1/32"]\n'
-        'data_plane = "userspace"\nconnect_deadline = 1.0\n'
+        f'data_plane = "{plane}"\nconnect_deadline = 1.0\n'
     )
     log_path = work / "forwarder.log"
     log = log_path.open("wb")
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                     _say("demo: the forwarder did not start")
                     return 1
                 time.sleep(0.05)
-        _say(f"forwarder listening on 127.0.0.1:{port} (userspace data plane), ops on 127.0.0.1:{mport}")
+        _say(f"forwarder listening on 127.0.0.1:{port} ({plane} data plane), ops on 127.0.0.1:{mport}")
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.load_verify_locations(cafile=str(work / "ca.crt"))
         ctx.load_cert_chain(str(work / "gateway.crt"), str(work / "gateway.key"))
