@@ -183,15 +183,17 @@ __attribute__((target("avx2"))) static uint64_t acc_copy_avx2(uint8_t *d, const 
         s = hsum(a, b, s);
     }
     __builtin_ia32_vzeroupper();
+    /* Sum the source, not the copy: words read back from d would straddle the copy's stores, and a
+     * load that store-to-load forwarding cannot serve waits for them to reach the cache. */
     memcpy(d, p, n);
-    return acc_tail(d, n, s);
+    return acc_tail(p, n, s);
 }
 
 static inline int use_avx2(void) { return __builtin_cpu_supports("avx2"); }
 #else
 static inline int use_avx2(void) { return 0; }
 #define acc_avx2(p, n, s) acc_adc(p, n, s)
-#define acc_copy_avx2(d, p, n, s) (memcpy(d, p, n), acc_adc(d, n, s))
+#define acc_copy_avx2(d, p, n, s) (memcpy(d, p, n), acc_adc(p, n, s))
 #endif
 
 static uint64_t acc_native(const uint8_t *p, size_t n, uint64_t s)
@@ -204,7 +206,7 @@ static uint64_t acc_copy(uint8_t *d, const uint8_t *p, size_t n, uint64_t s)
     if (use_avx2())
         return acc_copy_avx2(d, p, n, s);
     memcpy(d, p, n);
-    return acc_adc(d, n, s);
+    return acc_adc(p, n, s);
 }
 #else
 /* Portable: 128-bit accumulators let the compiler use add-with-carry on four independent chains. */
@@ -234,7 +236,7 @@ static uint64_t acc_native(const uint8_t *p, size_t n, uint64_t s)
 static uint64_t acc_copy(uint8_t *d, const uint8_t *p, size_t n, uint64_t s)
 {
     memcpy(d, p, n);
-    return acc_native(d, n, s);
+    return acc_native(p, n, s);
 }
 #endif
 
