@@ -495,30 +495,50 @@ static void write_out(const struct opkt *k, const struct eg_out_params *p, const
     uint32_t dst = rd32(ip + 16), id0 = rd16(ip + 4), seq0 = rd32(ip + ihl + 4);
     int tcp = k->proto == 6;
     uint32_t coff = tcp ? 16 : 6;
+    /* Segments' headers differ only in a few words, so each header is summed once with those words
+     * zeroed and every segment adds its own (a ones' complement sum does not depend on the order of its
+     * words). Summing each header as written would also read back bytes still in the store queue. */
+    uint8_t h[20 + 60]; /* hl <= 20 + 60 (TCP data offset is 4 bits) */
+    memcpy(h, ip, hl);
+    uint8_t *th = h + ihl, fl0 = th[13];
+    wr16(h + 2, 0);
+    wr16(h + 4, 0);
+    wr16(h + 10, 0);
+    wr32(h + 12, p->claim);
+    if (tcp) {
+        wr32(th + 4, 0);
+        th[13] = 0;
+    } else {
+        wr16(th + 4, 0);
+    }
+    wr16(th + coff, 0);
+    uint32_t ip_base = eg_csum(h, ihl, 0);
+    uint32_t l4_base = add16(eg_csum(th, l4h, 0), pseudo_sum(p->claim, dst, k->proto, 0));
     for (uint32_t i = 0, off = 0; i < pl->nseg; i++, off += mss) {
-        uint32_t len = payload - off < mss ? payload - off : mss;
+        uint32_t len = payload - off < mss ? payload - off : mss, l4len = l4h + len, id = (id0 + i) & 0xffffu;
         uint8_t *rec = out + (size_t)i * pl->stride, *q = rec + EG_PREFIX_LEN, *t = q + ihl;
         memcpy(rec, p->prefix, EG_PREFIX_LEN);
         memcpy(q, ip, hl);
         wr32(q + 12, p->claim);
         wr16(q + 2, hl + len);
-        wr16(q + 4, id0 + i);
-        wr16(q + 10, 0);
-        wr16(q + 10, (uint16_t)~eg_csum(q, ihl, 0));
+        wr16(q + 4, id);
+        wr16(q + 10, (uint16_t)~fold32(ip_base + hl + len + id));
+        uint32_t l4 = l4_base + l4len; /* the pseudo-header's length */
         if (tcp) {
-            wr32(t + 4, seq0 + off);
-            uint8_t fl = t[13];
+            uint32_t seq = seq0 + off;
+            uint8_t fl = fl0;
             if (i + 1 != pl->nseg)
                 fl &= (uint8_t)~(TH_FIN | TH_PSH);
             if (i != 0)
                 fl &= (uint8_t)~TH_CWR;
+            wr32(t + 4, seq);
             t[13] = fl;
+            l4 += (seq >> 16) + (seq & 0xffffu) + fl;
         } else {
-            wr16(t + 4, l4h + len);
+            wr16(t + 4, l4len);
+            l4 += l4len;
         }
-        wr16(t + coff, 0);
-        uint16_t s = add16(pseudo_sum(p->claim, dst, k->proto, l4h + len), eg_csum(t, l4h, 0));
-        uint16_t v = (uint16_t)~add16(csum_copy(q + hl, pay + off, len), s);
+        uint16_t v = (uint16_t)~add16(csum_copy(q + hl, pay + off, len), fold32(l4));
         if (!tcp && v == 0)
             v = 0xffff;
         wr16(t + coff, v);
