@@ -30,6 +30,16 @@ def backoff_delays(initial: float, cap: float) -> Iterator[float]:
         delay = min(delay * 2, cap)
 
 
+def _established(sock: socket.socket) -> bool:
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0:
+        return False
+    try:
+        sock.getpeername()  # ENOTCONN while the SYN is unanswered
+    except OSError:
+        return False
+    return True
+
+
 @dataclass
 class ConnectResult:
     sock: socket.socket | None
@@ -68,6 +78,10 @@ async def connect_with_retry(
                 await loop.sock_connect(sock, (str(addr), port))
             return ConnectResult(sock, attempts, time.monotonic() - start, "")
         except TimeoutError:
+            if _established(sock):
+                # The answer came, but this loop was too busy to see it in time: use it rather than
+                # leave the sandbox a connection that opens and closes for nothing.
+                return ConnectResult(sock, attempts, time.monotonic() - start, "")
             sock.close()
             last = "no_answer"
             continue  # fresh SYN now

@@ -100,6 +100,7 @@ class SandboxApp:
         self.handler = handler
         self.accepted = 0
         self.errors: list[BaseException] = []
+        self.peers: list[tuple[str, int]] = []
         self.results: list[Any] = []
         self._lsock: socket.socket | None = None
         self.port = port
@@ -128,6 +129,7 @@ class SandboxApp:
             except OSError:
                 return
             self.accepted += 1
+            self.peers.append(conn.getpeername())
             t = threading.Thread(target=self._run, args=(conn,), daemon=True)
             self._threads.append(t)
             t.start()

@@ -73,3 +73,4 @@ def test_unanswered_syn_is_replaced_every_50ms(make_forwarder, pki: Pki) -> None
     assert status is Status.NOT_LISTENING
     assert 0.45 < elapsed < 1.0
     assert 8 <= attempts <= 11, attempts
+

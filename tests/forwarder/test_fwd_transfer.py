@@ -21,8 +21,11 @@ def sink_and_source(n_down: int, seed: int) -> tuple[SandboxApp, dict[str, objec
         data = payload(n_down, seed)
 
         def send() -> None:
-            conn.sendall(data)
-            conn.shutdown(socket.SHUT_WR)
+            try:
+                conn.sendall(data)
+                conn.shutdown(socket.SHUT_WR)
+            except OSError as e:
+                seen["send_error"] = e
 
         t = threading.Thread(target=send)
         t.start()
@@ -41,6 +44,8 @@ def test_64mib_each_way_both_directions_at_once(forwarder: ForwarderThread, pki:
     down_digest = client.exchange(up_data)
     app.join()
     assert not app.errors
+    assert app.accepted == 1, app.peers
+    assert "send_error" not in seen
     assert seen["up"] == (hashlib.sha256(up_data).digest(), n)
     assert down_digest == hashlib.sha256(payload(n, seed=2)).digest()
     assert client.received_len == n
