@@ -300,6 +300,11 @@ class ForwarderServer:
             abort(sock)
             return "bad_preamble"
         ctx["sandbox_id"] = preamble.sandbox_id
+        if preamble.connection_id:
+            # The gateway's UNIQUE_ID, so its logs and ours join on one key. Printable ASCII is logged
+            # as is; anything else as hex, never raw peer bytes.
+            cid = preamble.connection_id
+            ctx["gateway_conn_id"] = cid.decode() if cid.isascii() and cid.decode().isprintable() else cid.hex()
         target = f"{preamble.dst}:{preamble.dst_port}"
         ctx["target"] = target
 

@@ -7,7 +7,9 @@ import logging
 import sys
 import time
 
-_CONTEXT_KEYS = ("component", "sandbox_id", "conn_id", "peer", "reason", "target", "event", "plane")
+_CONTEXT_KEYS = (
+    "component", "sandbox_id", "conn_id", "gateway_conn_id", "peer", "reason", "target", "event", "plane",
+)
 
 
 class JsonFormatter(logging.Formatter):

@@ -78,3 +78,23 @@ def test_preamble_and_tenant_bytes_in_one_record(forwarder: ForwarderThread, pki
     app.join()
     assert got == [b"hello world"]
     client.close()
+
+
+def test_logs_carry_sandbox_and_connection_ids(forwarder: ForwarderThread, pki: Pki, caplog) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import logging
+
+    from sbxnet.jsonlog import JsonFormatter
+
+    caplog.set_level(logging.INFO, logger="sbxnet.forwarder")
+    app = SandboxApp(lambda conn: conn.sendall(b"ok"))
+    for cid in (b"trace-123", b"\x00\xff"):
+        client = GwClient(forwarder.port, pki.client_ctx())
+        assert client.open(preamble_for(app.port, sandbox_id="sbx-log", connection_id=cid)) is Status.OK
+        client.recv_all()
+        client.close()
+    forwarder.wait_idle()
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if getattr(r, "event", "") == "closed"]
+    ids = [(ln["sandbox_id"], ln["gateway_conn_id"]) for ln in lines]
+    assert ids == [("sbx-log", "trace-123"), ("sbx-log", "00ff")]
+    assert all(len(ln["conn_id"]) == 16 for ln in lines)
