@@ -131,8 +131,8 @@ class SandboxApp:
             self.accepted += 1
             self.peers.append(conn.getpeername())
             t = threading.Thread(target=self._run, args=(conn,), daemon=True)
+            t.start()  # started before it is listed: join() may run in another thread at any moment
             self._threads.append(t)
-            t.start()
 
     def _run(self, conn: socket.socket) -> None:
         try:
@@ -142,9 +142,14 @@ class SandboxApp:
         finally:
             conn.close()
 
-    def join(self, timeout: float = 30) -> None:
+    def join(self, timeout: float = 30, *, connections: int = 1) -> None:
+        """Wait for ``connections`` handlers to have started (the accept may still be on its way), then
+        for every handler to finish."""
+        deadline = time.monotonic() + timeout
+        while len(self._threads) < connections and time.monotonic() < deadline:
+            time.sleep(0.005)
         for t in list(self._threads):
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if self._lsock:
