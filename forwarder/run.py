@@ -61,11 +61,8 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> 
     from forwarder.server import ForwarderServer, ListenError
 
     server = ForwarderServer(settings, reuse_port=reuse_port)
-    try:
-        await server.start()
-    except ListenError as e:
-        print(f"forwarder: {e.detail}", file=sys.stderr)
-        return 1
+    # The ops endpoints come up first: /healthz answers as soon as the process is alive, and /readyz
+    # says 503 until the listener is up, so an orchestrator never sees a port with no health to ask.
     ops_server = None
     if ops and settings.metrics_port:
         ops_server = OpsServer(lambda: generate_latest(server.metrics.registry), lambda: server.ready)
@@ -77,12 +74,18 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> 
                 f"{e.strerror} (choose another metrics_port, or 0 to disable)",
                 file=sys.stderr,
             )
-            await server.drain(0)
             return 1
         log.info(
             "ops endpoints up",
             extra={"event": "ops_listening", "fields": {"address": f"{settings.metrics_host}:{port}"}},
         )
+    try:
+        await server.start()
+    except ListenError as e:
+        print(f"forwarder: {e.detail}", file=sys.stderr)
+        if ops_server:
+            await ops_server.close()
+        return 1
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
