@@ -17,7 +17,6 @@ from sbxnet.errors import RemoteProtocolError
 RECORD_HEADER_LEN = 5
 # TLS 1.3 ciphertext limit: 2^14 + 256 (RFC 8446 5.2).
 MAX_RECORD_BODY = 16384 + 256
-CT_APPLICATION_DATA = 23
 
 
 class LinkClosed(RemoteProtocolError):
@@ -106,8 +105,3 @@ class TlsLink:
     def peercert(self) -> dict[str, object] | None:
         cert = self.ssl.getpeercert()
         return dict(cert) if cert else None
-
-    @property
-    def cipher(self) -> str:
-        c = self.ssl.cipher()
-        return c[0] if c else ""

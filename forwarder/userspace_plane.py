@@ -91,13 +91,11 @@ class UserspacePlane:
         outcome = Outcome.CLOSED
         try:
             done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-            first = done.pop()
-            if first.exception() is None and pending:
+            if pending and all(task.exception() is None for task in done):
                 # One direction ended in order; the other may keep going for close_timeout.
-                done2, pending = await asyncio.wait(pending, timeout=h.close_timeout)
+                _, pending = await asyncio.wait(pending, timeout=h.close_timeout)
                 if pending:
                     outcome = Outcome.CLOSE_TIMEOUT
-                first = done2.pop() if done2 else first
             for task in (up, down):
                 if task.done() and task.exception() is not None:
                     outcome = self._classify(task.exception())
