@@ -328,7 +328,7 @@ def patched_forwarder_main(argv: list[str]) -> int:
 
     import forwarder.userspace_plane as up_mod
     from forwarder.tls_link import MAX_RECORD_BODY
-    from sbxnet.cli import main as sbxnet_main
+    from sbxnet.app.cli import main as sbxnet_main
 
     p = argparse.ArgumentParser()
     p.add_argument("--chunk", type=int, default=0)

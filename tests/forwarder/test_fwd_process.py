@@ -21,7 +21,7 @@ from fwd_support import GwClient, Pki, SandboxApp, free_port, payload, preamble_
 from certs.mint import mint_leaf, spki_pin, write_issued
 from sbxnet.protocol.status import Status
 
-SBXNET = [sys.executable, "-m", "sbxnet.cli"]
+SBXNET = [sys.executable, "-m", "sbxnet.app.cli"]
 
 
 def write_config(path: Path, pki: Pki, **extra: object) -> Path:

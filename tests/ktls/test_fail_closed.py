@@ -51,7 +51,7 @@ def test_probe_names_the_cause() -> None:
 def test_ktls_mode_refuses_to_start_without_kernel_tls(pki_dir: Path) -> None:
     port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "sbxnet.cli", "forwarder"],
+        [sys.executable, "-m", "sbxnet.app.cli", "forwarder"],
         env=forwarder_env(pki_dir, port, "ktls"), capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 1, proc.stderr
@@ -71,7 +71,7 @@ def test_ktls_mode_refuses_to_start_without_kernel_tls(pki_dir: Path) -> None:
 def test_default_plane_is_ktls_and_fails_closed_too(pki_dir: Path) -> None:
     env = forwarder_env(pki_dir, free_port(), "ktls")
     del env["SBXNET_FORWARDER_DATA_PLANE"]
-    proc = subprocess.run([sys.executable, "-m", "sbxnet.cli", "forwarder"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sbxnet.app.cli", "forwarder"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "modprobe tls" in proc.stderr and 'data_plane = "userspace"' in proc.stderr

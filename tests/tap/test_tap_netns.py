@@ -311,7 +311,7 @@ def test_enslaved_tap_is_in_use(env: TapEnv) -> None:
 
 
 def test_cli_ensure_remove(env: TapEnv, capsys: pytest.CaptureFixture[str]) -> None:
-    from sbxnet.cli import main
+    from sbxnet.app.cli import main
 
     ns = env.netns()
     argv = ["tap", "ensure", "--name", "tap0", "--netns", ns, "--host-addr", "172.16.0.1/30", "--guest-ip",

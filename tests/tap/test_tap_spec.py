@@ -385,7 +385,7 @@ def test_descriptions_are_readable() -> None:
      (["--name", "tap0"], "mac_missing")],
 )
 def test_cli_input_errors_exit_2(argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from sbxnet.cli import main
+    from sbxnet.app.cli import main
 
     rc = main(["tap", "ensure", "--host-addr", "172.16.0.1/30", "--guest-ip", "172.16.0.2", *argv])
     err = capsys.readouterr().err

@@ -131,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
     log_path = work / "forwarder.log"
     log = log_path.open("wb")
     fwd = subprocess.Popen(
-        [sys.executable, "-m", "sbxnet.cli", "forwarder", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "sbxnet.app.cli", "forwarder", "--config", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 20
