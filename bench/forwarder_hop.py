@@ -16,7 +16,7 @@ Arms:
      certificate, client certificate verified against the same CA, nbthread 1
   C  our forwarder, workers = 2 (SO_REUSEPORT processes)
   D  HAProxy, nbthread 2
-  E  arm A with forwarder.userspace_plane.CHUNK set to --fwd-chunk at start-up (an experiment on the
+  E  arm A with forwarder.ingress.planes.userspace.CHUNK set to --fwd-chunk at start-up (an experiment on the
      read size; the module is not edited, the launcher assigns the global before serving)
   F  arm E plus the gateway->sandbox loop replaced by ``patched_forwarder_main``'s eager recv_into
      into a buffer allocated once (an experiment for a proposed change; see that function); F/E
@@ -320,14 +320,14 @@ def patched_forwarder_main(argv: list[str]) -> int:
     loop with one that reads into a buffer allocated once, and tries a non-blocking ``recv_into``
     before awaiting the loop (uvloop's ``sock_recv`` always registers a reader first: an epoll_ctl
     add/remove and a loop turn per read). Everything else (decrypt loop, send, close) is as in
-    forwarder/userspace_plane.py, which stays unedited: these are measurements for a proposal.
+    forwarder/ingress/planes/userspace.py, which stays unedited: these are measurements for a proposal.
     """
     import asyncio
     import contextlib
     from typing import cast
 
-    import forwarder.userspace_plane as up_mod
-    from forwarder.tls_link import MAX_RECORD_BODY
+    import forwarder.ingress.planes.userspace as up_mod
+    from forwarder.ingress.tls_link import MAX_RECORD_BODY
     from sbxnet.app.cli import main as sbxnet_main
 
     p = argparse.ArgumentParser()

@@ -58,7 +58,7 @@ def wait_port(port: int, timeout: float = 10) -> None:
 
 def serve_pump(port: int, backend: int, threads: int) -> None:
     sys.path.insert(0, str(ROOT))
-    from forwarder.splice_pump import SplicePump
+    from forwarder.ingress.planes.splice_pump import SplicePump
 
     pump = SplicePump(threads=threads)
     lst = socket.socket()

@@ -13,7 +13,7 @@ py=$root/.venv/bin/python
 export PATH="$root/.venv/bin:$PATH" PYTHONDONTWRITEBYTECODE=1
 pytest_args=(-p no:cacheprovider -m ktls tests/ktls -q -rs)
 
-if "$py" -c 'import sys; from forwarder.ktls import probe; sys.exit(0 if probe().ok else 1)' 2>/dev/null; then
+if "$py" -c 'import sys; from forwarder.ingress.planes.ktls_keys import probe; sys.exit(0 if probe().ok else 1)' 2>/dev/null; then
     echo "kTLS: the running kernel attaches the TLS ULP; running the kTLS tests directly"
     exec "$py" -m pytest "${pytest_args[@]}" "$@"
 fi

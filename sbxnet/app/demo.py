@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         "certificates: spiffe://demo.sbxnet/gateway (allowed) and spiffe://demo.sbxnet/stranger (not)"
     )
 
-    from forwarder.ktls import probe
+    from forwarder.ingress.planes.ktls_keys import probe
 
     ktls = probe()
     plane = "ktls" if ktls.ok else "userspace"

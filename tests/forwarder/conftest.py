@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from fwd_support import ForwarderThread, Pki, make_pki
 
-from forwarder.settings import ForwarderSettings
+from forwarder.ingress.settings import ForwarderSettings
 
 
 @pytest.fixture(scope="session")

@@ -180,7 +180,7 @@ class ForwarderThread:
     def __init__(self, settings: Any) -> None:
         import uvloop
 
-        from forwarder.server import ForwarderServer, bind_listener
+        from forwarder.ingress.server import ForwarderServer, bind_listener
 
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -144,7 +144,7 @@ def test_forbidden_targets(make_forwarder, pki: Pki, dst: str, reason: str) -> N
 def test_host_address_refused(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
     import ipaddress
 
-    from forwarder.host_addrs import host_addresses
+    from forwarder.ingress.host_addrs import host_addresses
 
     candidates = [a for a in host_addresses() if a.version == 4 and not a.is_loopback]
     if not candidates:

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forwarder.host_addrs import _from_socket, host_addresses
-from forwarder.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
+from forwarder.ingress.host_addrs import _from_socket, host_addresses
+from forwarder.ingress.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
 from sbxnet.errors import RemoteProtocolError
 
 ip = ipaddress.ip_address
@@ -206,7 +206,7 @@ def test_host_addresses_lists_every_interface_in_a_namespace() -> None:
                 ns,
                 sys.executable,
                 "-c",
-                "from forwarder.host_addrs import host_addresses\n"
+                "from forwarder.ingress.host_addrs import host_addresses\n"
                 "print(' '.join(sorted(str(a) for a in host_addresses())))",
             ],
             check=True,

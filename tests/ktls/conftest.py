@@ -48,7 +48,7 @@ def client_ctx(pki_dir: Path) -> Callable[[], ssl.SSLContext]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from forwarder.ktls import probe
+    from forwarder.ingress.planes.ktls_keys import probe
 
     marked = [item for item in items if item.get_closest_marker("ktls") is not None]
     if marked and not probe().ok:

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from forwarder.splice_pump import PumpEvent, SplicePump
+from forwarder.ingress.planes.splice_pump import PumpEvent, SplicePump
 
 
 def open_fds() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from forwarder import ktls
+from forwarder.ingress.planes import ktls_keys as ktls
 
 
 def free_port() -> int:
@@ -79,7 +79,7 @@ def test_default_plane_is_ktls_and_fails_closed_too(pki_dir: Path) -> None:
 
 @pytest.mark.skipif(ktls.probe().ok, reason="this kernel has TLS: the plane would start")
 def test_ktls_plane_cannot_be_built_without_kernel_tls() -> None:
-    from forwarder.ktls_plane import KtlsPlane, KtlsUnavailable
+    from forwarder.ingress.planes.ktls import KtlsPlane, KtlsUnavailable
 
     with pytest.raises(KtlsUnavailable) as e:
         KtlsPlane()

@@ -19,8 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "forwarder"))
 from fwd_support import ForwarderThread, GwClient, Pki, SandboxApp, make_pki, payload, preamble_for
 
-from forwarder import ktls
-from forwarder.settings import ForwarderSettings
+from forwarder.ingress.planes import ktls_keys as ktls
+from forwarder.ingress.settings import ForwarderSettings
 from sbxnet.protocol.status import Status
 
 pytestmark = pytest.mark.ktls

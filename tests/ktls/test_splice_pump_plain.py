@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from pump_support import Receiver, Sender, open_fds, reset_close, stream, wait_events, wire
 
-from forwarder.splice_pump import EV_GW_FIN, EV_SB_EOF, PumpOutcome, SplicePump
+from forwarder.ingress.planes.splice_pump import EV_GW_FIN, EV_SB_EOF, PumpOutcome, SplicePump
 
 MiB = 1 << 20
 

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tls_support import CryptoInfo, MemPair, handshake
 
-from forwarder import ktls
+from forwarder.ingress.planes import ktls_keys as ktls
 
 Ctx = Callable[[], ssl.SSLContext]
 

@@ -17,16 +17,16 @@ import socket
 import ssl
 import time
 
-from forwarder.connect import connect_with_retry
-from forwarder.host_addrs import IPAddress, host_addresses
-from forwarder.metering import Meter
-from forwarder.metrics import ForwarderMetrics
-from forwarder.planes import DataPlane, Handoff, Outcome, abort
-from forwarder.san_acl import SanAllowlist, peer_sans
-from forwarder.settings import ForwarderSettings
-from forwarder.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
-from forwarder.tls import handshake_failure_reason, server_context
-from forwarder.tls_link import TlsLink
+from forwarder.ingress.connect import connect_with_retry
+from forwarder.ingress.host_addrs import IPAddress, host_addresses
+from forwarder.ingress.metering import Meter
+from forwarder.ingress.metrics import ForwarderMetrics
+from forwarder.ingress.planes.interface import DataPlane, Handoff, Outcome, abort
+from forwarder.ingress.san_acl import SanAllowlist, peer_sans
+from forwarder.ingress.settings import ForwarderSettings
+from forwarder.ingress.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
+from forwarder.ingress.tls_context import handshake_failure_reason, server_context
+from forwarder.ingress.tls_link import TlsLink
 from sbxnet.errors import RemoteProtocolError, SbxnetError
 from sbxnet.protocol.preamble import Preamble, PreambleError, pull_preamble
 from sbxnet.protocol.status import Status, push_status
@@ -68,11 +68,11 @@ def bind_listener(host: str, port: int, *, reuse_port: bool, backlog: int = 1024
 
 def make_plane(settings: ForwarderSettings, metrics: ForwarderMetrics | None = None) -> DataPlane:
     if settings.data_plane == "userspace":
-        from forwarder.userspace_plane import UserspacePlane
+        from forwarder.ingress.planes.userspace import UserspacePlane
 
         return UserspacePlane()
     if settings.data_plane == "ktls":
-        from forwarder.ktls_plane import KtlsPlane
+        from forwarder.ingress.planes.ktls import KtlsPlane
 
         return KtlsPlane(metrics=metrics)  # raises KtlsUnavailable (fail closed) where the kernel has no TLS
     raise ValueError(f"unknown data plane {settings.data_plane!r}")

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from forwarder.settings import ForwarderSettings
+from forwarder.ingress.settings import ForwarderSettings
 
 log = logging.getLogger("sbxnet.forwarder")
 RESTART_WINDOW_S = 60.0
@@ -73,7 +73,7 @@ class _Supervisor:
         self.stopping = False
 
     def _spawn(self) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "forwarder.worker"], stdin=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-m", "forwarder.ingress.worker"], stdin=subprocess.PIPE)
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(self.settings.model_dump(mode="json")).encode())
         proc.stdin.close()

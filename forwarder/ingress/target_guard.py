@@ -1,7 +1,7 @@
 """Judging the preamble's destination: the forwarder is never an open relay.
 
 Pure: an address, a port and a policy in; None or ``TargetRefused`` out. The host's own addresses are
-passed in (see ``forwarder.host_addrs``), so nothing here touches the network.
+passed in (see ``forwarder.ingress.host_addrs``), so nothing here touches the network.
 
 Rules, in the order they are applied (the first that matches names the reason):
 

@@ -21,7 +21,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forwarder.settings import ForwarderSettings
+    from forwarder.ingress.settings import ForwarderSettings
     from sbxnet.config import load_settings
 
     settings = load_settings(
@@ -36,6 +36,6 @@ def run(args: argparse.Namespace) -> int:
             "log_level": args.log_level,
         },
     )
-    from forwarder.run import serve
+    from forwarder.ingress.run import serve
 
     return serve(settings, check_only=args.check)

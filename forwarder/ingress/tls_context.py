@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ssl
 
-from forwarder.settings import ForwarderSettings
+from forwarder.ingress.settings import ForwarderSettings
 from sbxnet.errors import SbxnetError
 
 
@@ -23,7 +23,7 @@ def server_context(settings: ForwarderSettings) -> ssl.SSLContext:
     ctx.num_tickets = 0
     ctx.options |= ssl.OP_NO_TICKET
     if settings.data_plane == "ktls":
-        from forwarder.ktls import prepare_context
+        from forwarder.ingress.planes.ktls_keys import prepare_context
 
         prepare_context(ctx)  # AES-GCM suites only; secrets captured in memory for the kernel
     return ctx

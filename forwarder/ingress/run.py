@@ -2,7 +2,7 @@
 
 SIGTERM and SIGINT drain (stop accepting, let live connections finish up to ``drain_timeout``);
 SIGHUP reloads certificates without touching live connections. With ``workers`` > 1 the supervisor
-in ``forwarder.workers`` starts that many of these processes on one port (SO_REUSEPORT).
+in ``forwarder.ingress.workers`` starts that many of these processes on one port (SO_REUSEPORT).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import signal
 import ssl
 import sys
 
-from forwarder.settings import ForwarderSettings
+from forwarder.ingress.settings import ForwarderSettings
 from sbxnet import jsonlog
 
 log = logging.getLogger("sbxnet.forwarder")
@@ -24,7 +24,7 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
     jsonlog.setup(settings.log_level)
     workers = settings.workers or (os.cpu_count() or 1)
     if settings.data_plane == "ktls":
-        from forwarder.ktls import probe
+        from forwarder.ingress.planes.ktls_keys import probe
 
         # Fail closed, before anything listens: never fall back to the userspace plane by itself.
         result = probe()
@@ -32,7 +32,7 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
             print(result.message(), file=sys.stderr)
             return 1
     try:
-        from forwarder.tls import server_context
+        from forwarder.ingress.tls_context import server_context
 
         server_context(settings)
     except (OSError, ssl.SSLError, ValueError) as e:
@@ -42,7 +42,7 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
         print("forwarder: settings and certificates are valid")
         return 0
     if workers > 1:
-        from forwarder.workers import supervise
+        from forwarder.ingress.workers import supervise
 
         return supervise(settings, workers)
     return run_single(settings)
@@ -57,8 +57,8 @@ def run_single(settings: ForwarderSettings, *, reuse_port: bool = False, ops: bo
 async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> int:
     from prometheus_client import generate_latest
 
+    from forwarder.ingress.server import ForwarderServer, ListenError
     from forwarder.ops_http import OpsServer
-    from forwarder.server import ForwarderServer, ListenError
 
     server = ForwarderServer(settings, reuse_port=reuse_port)
     # The ops endpoints come up first: /healthz answers as soon as the process is alive, and /readyz

@@ -16,9 +16,9 @@ import threading
 import time
 from typing import cast
 
-from forwarder.metering import ConnMeter
-from forwarder.planes import Handoff, Outcome, abort
-from forwarder.tls_link import MAX_RECORD_BODY
+from forwarder.ingress.metering import ConnMeter
+from forwarder.ingress.planes.interface import Handoff, Outcome, abort
+from forwarder.ingress.tls_link import MAX_RECORD_BODY
 
 RECV_SIZE = 1024 * 1024  # one per loop thread
 PLAINTEXT_SIZE = 256 * 1024  # one per connection, for the gateway -> sandbox direction

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from forwarder.run import run_single
-from forwarder.settings import ForwarderSettings
+from forwarder.ingress.run import run_single
+from forwarder.ingress.settings import ForwarderSettings
 from sbxnet import jsonlog
 
 

@@ -59,7 +59,7 @@ class ForwarderSettings(BaseSettings):
     @field_validator("client_san_allow")
     @classmethod
     def _patterns_well_formed(cls, value: list[str]) -> list[str]:
-        from forwarder.san_acl import validate_pattern
+        from forwarder.ingress.san_acl import validate_pattern
 
         for pattern in value:
             validate_pattern(pattern)

@@ -23,11 +23,11 @@ import ssl
 import struct
 import time
 
-from forwarder import ktls
-from forwarder.metering import ConnMeter
-from forwarder.metrics import ForwarderMetrics
-from forwarder.planes import Handoff, Outcome, abort
-from forwarder.splice_pump import PumpEvent, PumpOutcome, SplicePump
+from forwarder.ingress.metering import ConnMeter
+from forwarder.ingress.metrics import ForwarderMetrics
+from forwarder.ingress.planes import ktls_keys as ktls
+from forwarder.ingress.planes.interface import Handoff, Outcome, abort
+from forwarder.ingress.planes.splice_pump import PumpEvent, PumpOutcome, SplicePump
 
 log = logging.getLogger("sbxnet.forwarder")
 METER_REFRESH_S = 0.5

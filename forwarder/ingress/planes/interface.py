@@ -15,8 +15,8 @@ import struct
 from dataclasses import dataclass
 from typing import Protocol
 
-from forwarder.metering import ConnMeter
-from forwarder.tls_link import TlsLink
+from forwarder.ingress.metering import ConnMeter
+from forwarder.ingress.tls_link import TlsLink
 
 
 class Outcome(enum.StrEnum):
