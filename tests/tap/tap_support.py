@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 
-from forwarder.tap import IFF_NO_PI, IFF_TAP, TUNSETIFF
-from forwarder.tap_netns import call_in_netns
+from forwarder.taps.netlink import IFF_NO_PI, IFF_TAP, TUNSETIFF
+from forwarder.taps.netns import call_in_netns
 
 ETH_P_ALL = 0x0003
 ETH_P_ARP = 0x0806

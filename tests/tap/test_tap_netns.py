@@ -18,7 +18,7 @@ import pytest
 from conftest import TapEnv
 from tap_support import NetlinkEvents, create_tap_queue, ip_json, ip_state, unique
 
-from forwarder.tap import (
+from forwarder.taps.netlink import (
     IFF_NO_PI,
     TUNSETIFF,
     TUNSETPERSIST,
@@ -34,8 +34,8 @@ from forwarder.tap import (
     open_tap_queue,
     remove_tap,
 )
-from forwarder.tap_netns import call_in_netns
-from forwarder.tap_spec import (
+from forwarder.taps.netns import call_in_netns
+from forwarder.taps.spec import (
     NUD_PERMANENT,
     NUD_REACHABLE,
     NUD_STALE,

@@ -31,9 +31,9 @@ import pytest
 from conftest import TapEnv
 from tap_support import Capture, Frame, Pump, arp_reply, create_tap_queue, drain_fd, ip_json
 
-from forwarder.tap import TapSpec, derive_mac, ensure_tap, open_tap_queue, remove_tap
-from forwarder.tap_netns import call_in_netns
-from forwarder.tap_spec import NUD_INCOMPLETE, NUD_STALE, SetNeighbour
+from forwarder.taps.netlink import TapSpec, derive_mac, ensure_tap, open_tap_queue, remove_tap
+from forwarder.taps.netns import call_in_netns
+from forwarder.taps.spec import NUD_INCOMPLETE, NUD_STALE, SetNeighbour
 
 pytestmark = pytest.mark.netns
 

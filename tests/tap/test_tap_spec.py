@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forwarder.tap_errors import (
+from forwarder.taps.errors import (
     InvalidMacError,
     InvalidTapNameError,
     NotATapError,
@@ -19,7 +19,7 @@ from forwarder.tap_errors import (
     TapOwnerMismatchError,
     TapSpecError,
 )
-from forwarder.tap_spec import (
+from forwarder.taps.spec import (
     NUD_PERMANENT,
     NUD_REACHABLE,
     NUD_STALE,

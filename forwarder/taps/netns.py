@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from forwarder.tap_errors import NetnsNotFoundError
-from forwarder.tap_spec import validate_netns_name
+from forwarder.taps.errors import NetnsNotFoundError
+from forwarder.taps.spec import validate_netns_name
 
 NETNS_RUN_DIR = "/run/netns"  # where `ip netns add` and pyroute2 bind-mount named namespaces
 CLONE_NEWNET = 0x40000000

@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from forwarder.tap_spec import TapSpec
+    from forwarder.taps.spec import TapSpec
 
 
 def _add_ref_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace) -> TapSpec:
-    from forwarder.tap import TapSpec, TapSpecError, derive_mac
+    from forwarder.taps.netlink import TapSpec, TapSpecError, derive_mac
 
     macs: dict[str, str] = {}
     for field, role in (("tap_mac", "tap"), ("guest_mac", "guest")):
@@ -63,7 +63,7 @@ def _spec(args: argparse.Namespace) -> TapSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forwarder.tap import TapError, TapRef, TapSpecError, ensure_tap, remove_tap
+    from forwarder.taps.netlink import TapError, TapRef, TapSpecError, ensure_tap, remove_tap
 
     try:
         if args.tap_command == "ensure":

@@ -1,7 +1,7 @@
 """What a VM tap must look like, and what to change to get there: pure logic, no devices.
 
 ``TapSpec`` is validated when it is built, so an invalid spec never reaches the kernel. ``plan_tap``
-compares a spec with an observed tap (``ObservedTap``, filled in by ``forwarder.tap`` from netlink)
+compares a spec with an observed tap (``ObservedTap``, filled in by ``forwarder.taps.netlink`` from netlink)
 and returns the ordered changes to apply; ``check_adoptable`` refuses a device that is not ours to
 change. Both are plain functions over values, tested without root or devices.
 
@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Interface
 
-from forwarder.tap_errors import (
+from forwarder.taps.errors import (
     InvalidMacError,
     InvalidTapNameError,
     NotATapError,

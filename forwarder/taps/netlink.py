@@ -10,7 +10,7 @@ the measured numbers, is in docs/taps.md.
 Everything goes through netlink (pyroute2) except creation: Linux refuses to create TUN/TAP devices
 over rtnetlink, so the device is made with the TUNSETIFF/TUNSETPERSIST ioctls on /dev/net/tun, opened
 inside the target namespace. The decisions (is this device ours? what must change?) are pure
-functions in ``forwarder.tap_spec``; this module only observes and applies.
+functions in ``forwarder.taps.spec``; this module only observes and applies.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Interface
 from typing import Any
 
-from forwarder.tap_errors import (
+from forwarder.taps.errors import (
     InvalidMacError,
     InvalidTapNameError,
     NetnsNotFoundError,
@@ -38,8 +38,8 @@ from forwarder.tap_errors import (
     TapOwnerMismatchError,
     TapSpecError,
 )
-from forwarder.tap_netns import call_in_netns, check_netns
-from forwarder.tap_spec import (
+from forwarder.taps.netns import call_in_netns, check_netns
+from forwarder.taps.spec import (
     NUD_PERMANENT,
     AddAddr,
     Change,
