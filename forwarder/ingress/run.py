@@ -58,7 +58,7 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> 
     from prometheus_client import generate_latest
 
     from forwarder.ingress.server import ForwarderServer, ListenError
-    from forwarder.ops_http import OpsServer
+    from sbxnet.ops_http import OpsServer
 
     server = ForwarderServer(settings, reuse_port=reuse_port)
     # The ops endpoints come up first: /healthz answers as soon as the process is alive, and /readyz

@@ -91,7 +91,7 @@ class _Supervisor:
     async def run(self) -> int:
         from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
-        from forwarder.ops_http import OpsServer
+        from sbxnet.ops_http import OpsServer
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=self.metrics_dir)
