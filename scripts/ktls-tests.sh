@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The kernel-TLS tests (pytest -m ktls tests/ktls). On a kernel that can attach the TLS ULP they run
+# The kernel-TLS tests (pytest -m ktls tests/ingress/planes). On a kernel that can attach the TLS ULP they run
 # directly. Otherwise they run inside Debian's stock kernel (linux-image-amd64, CONFIG_TLS=m) booted
 # with virtme-ng under QEMU software emulation: the host's root is shared read-only, results come back
 # through a --rwdir, and this script exits with the tests' exit code. If the VM cannot start or the
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 py=$root/.venv/bin/python
 export PATH="$root/.venv/bin:$PATH" PYTHONDONTWRITEBYTECODE=1
-pytest_args=(-p no:cacheprovider -m ktls tests/ktls -q -rs)
+pytest_args=(-p no:cacheprovider -m ktls tests/ingress/planes -q -rs)
 
 if "$py" -c 'import sys; from forwarder.ingress.planes.ktls_keys import probe; sys.exit(0 if probe().ok else 1)' 2>/dev/null; then
     echo "kTLS: the running kernel attaches the TLS ULP; running the kTLS tests directly"

@@ -30,7 +30,7 @@ def settings_for(pki: Pki, **overrides: Any) -> ForwarderSettings:
         allow_targets=[ipaddress.ip_network("127.0.0.1/32")],
         connect_deadline=2.0,
         close_timeout=10.0,
-        data_plane="userspace",  # this host's kernel has no TLS; the ktls plane is tested in tests/ktls
+        data_plane="userspace",  # no kernel TLS here; the ktls plane: tests/ingress/planes
     )
     values.update(overrides)
     return ForwarderSettings(**values)
