@@ -15,19 +15,12 @@ import errno
 import ipaddress
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
+
+from sbxnet.backoff import backoff_delays
 
 # Errors that mean "nobody is there yet" rather than "this can never work".
 _RETRYABLE = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNRESET, errno.ETIMEDOUT}
-
-
-def backoff_delays(initial: float, cap: float) -> Iterator[float]:
-    """initial, 2*initial, 4*initial, ... capped at ``cap`` (pure; the schedule the tests check)."""
-    delay = initial
-    while True:
-        yield min(delay, cap)
-        delay = min(delay * 2, cap)
 
 
 def _established(sock: socket.socket) -> bool:

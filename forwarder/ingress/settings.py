@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 from pydantic import Field, FilePath, IPvAnyAddress, IPvAnyNetwork, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from sbxnet.backoff import BACKOFF_CAP_S, BACKOFF_INITIAL_S, SYN_INTERVAL_S
+
 
 def _split_list(value: object) -> object:
     # Environment variables carry lists as comma-separated text; TOML carries real arrays.
@@ -45,9 +47,9 @@ class ForwarderSettings(BaseSettings):
     preamble_timeout: float = Field(2.0, gt=0, le=60)
     handshake_timeout: float = Field(5.0, gt=0, le=60)
     connect_deadline: float = Field(10.0, gt=0, le=300)
-    connect_syn_interval: float = Field(0.05, gt=0, le=5, description="fresh SYN after this long unanswered")
-    connect_backoff_initial: float = Field(0.005, gt=0, le=5)
-    connect_backoff_cap: float = Field(0.05, gt=0, le=30)
+    connect_syn_interval: float = Field(SYN_INTERVAL_S, gt=0, le=5, description="fresh SYN after this long unanswered")
+    connect_backoff_initial: float = Field(BACKOFF_INITIAL_S, gt=0, le=5)
+    connect_backoff_cap: float = Field(BACKOFF_CAP_S, gt=0, le=30)
     close_timeout: float = Field(30.0, gt=0, le=3600, description="after one side ends, wait for the other")
     drain_timeout: float = Field(30.0, ge=0, le=3600)
     max_connections: int = Field(10000, ge=1, le=1_000_000)

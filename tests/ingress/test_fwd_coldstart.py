@@ -9,7 +9,7 @@ import time
 import pytest
 from fwd_support import ForwarderThread, GwClient, Pki, SandboxApp, preamble_for
 
-from forwarder.ingress.connect import backoff_delays
+from sbxnet.backoff import backoff_delays
 from sbxnet.protocol.status import Status
 
 
