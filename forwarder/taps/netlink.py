@@ -39,8 +39,7 @@ from forwarder.taps.errors import (
     TapSpecError,
 )
 from forwarder.taps.netns import call_in_netns, check_netns
-from forwarder.taps.spec import (
-    NUD_PERMANENT,
+from forwarder.taps.plan import (
     AddAddr,
     Change,
     Created,
@@ -52,15 +51,11 @@ from forwarder.taps.spec import (
     SetMtu,
     SetNeighbour,
     SetUp,
-    TapRef,
-    TapSpec,
     check_adoptable,
-    derive_mac,
     first_round,
-    nud_name,
-    parse_mac,
     plan_tap,
 )
+from forwarder.taps.spec import NUD_PERMANENT, TapRef, TapSpec, derive_mac, nud_name, parse_mac
 
 __all__ = [
     "NUD_PERMANENT",
@@ -97,7 +92,7 @@ IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
 IFF_TUN_EXCL = 0x8000  # fail with EBUSY instead of attaching when the name already exists
 IFF_UP = 0x1
-_MAX_ROUNDS = 3  # a plan converges in at most two rounds (see tap_spec.first_round); the third is slack
+_MAX_ROUNDS = 3  # a plan converges in at most two rounds (see plan.first_round); the third is slack
 
 
 @dataclass(frozen=True)

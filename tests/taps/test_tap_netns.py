@@ -35,18 +35,8 @@ from forwarder.taps.netlink import (
     remove_tap,
 )
 from forwarder.taps.netns import call_in_netns
-from forwarder.taps.spec import (
-    NUD_PERMANENT,
-    NUD_REACHABLE,
-    NUD_STALE,
-    AddAddr,
-    DelAddr,
-    DelNeighbour,
-    SetMac,
-    SetMtu,
-    SetNeighbour,
-    SetUp,
-)
+from forwarder.taps.plan import AddAddr, DelAddr, DelNeighbour, SetMac, SetMtu, SetNeighbour, SetUp
+from forwarder.taps.spec import NUD_PERMANENT, NUD_REACHABLE, NUD_STALE
 
 pytestmark = pytest.mark.netns
 

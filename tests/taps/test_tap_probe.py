@@ -33,7 +33,8 @@ from tap_support import Capture, Frame, Pump, arp_reply, create_tap_queue, drain
 
 from forwarder.taps.netlink import TapSpec, derive_mac, ensure_tap, open_tap_queue, remove_tap
 from forwarder.taps.netns import call_in_netns
-from forwarder.taps.spec import NUD_INCOMPLETE, NUD_STALE, SetNeighbour
+from forwarder.taps.plan import SetNeighbour
+from forwarder.taps.spec import NUD_INCOMPLETE, NUD_STALE
 
 pytestmark = pytest.mark.netns
 

@@ -19,12 +19,7 @@ from forwarder.taps.errors import (
     TapOwnerMismatchError,
     TapSpecError,
 )
-from forwarder.taps.spec import (
-    NUD_PERMANENT,
-    NUD_REACHABLE,
-    NUD_STALE,
-    TUN_TYPE_TAP,
-    TUN_TYPE_TUN,
+from forwarder.taps.plan import (
     AddAddr,
     DelAddr,
     DelNeighbour,
@@ -34,14 +29,21 @@ from forwarder.taps.spec import (
     SetMtu,
     SetNeighbour,
     SetUp,
+    check_adoptable,
+    first_round,
+    plan_tap,
+)
+from forwarder.taps.spec import (
+    NUD_PERMANENT,
+    NUD_REACHABLE,
+    NUD_STALE,
+    TUN_TYPE_TAP,
+    TUN_TYPE_TUN,
     TapRef,
     TapSpec,
-    check_adoptable,
     derive_mac,
-    first_round,
     nud_name,
     parse_mac,
-    plan_tap,
 )
 
 TAP_MAC = "02:aa:00:00:00:01"
