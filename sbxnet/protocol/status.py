@@ -9,26 +9,14 @@ The gateway reads exactly four bytes. ``retryable`` tells it whether another att
 
 from __future__ import annotations
 
-import enum
-
 from sbxnet.errors import RemoteProtocolError
+from sbxnet.protocol.codes import Status
+
+__all__ = ["MAGIC", "STATUS_LEN", "VERSION", "Status", "StatusError", "pull_status", "push_status"]
 
 MAGIC = b"SX"
 VERSION = 1
 STATUS_LEN = 4
-
-
-class Status(enum.IntEnum):
-    OK = 0
-    NOT_LISTENING = 1  # the sandbox refused or did not answer before the connect deadline: retry
-    FORBIDDEN = 2  # target outside the sandbox prefixes or on the deny list: never retry
-    BAD_PREAMBLE = 3  # malformed, too long or too slow: never retry (fix the gateway)
-    INTERNAL = 4  # the forwarder failed: no retry on this connection
-    UNAVAILABLE = 5  # draining or at its connection limit: retry elsewhere or later
-
-    @property
-    def retryable(self) -> bool:
-        return self in (Status.NOT_LISTENING, Status.UNAVAILABLE)
 
 
 class StatusError(RemoteProtocolError):
