@@ -27,7 +27,7 @@ from forwarder.ingress.settings import ForwarderSettings
 from forwarder.ingress.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
 from forwarder.ingress.tls_context import handshake_failure_reason, server_context
 from forwarder.ingress.tls_link import TlsLink
-from sbxnet.errors import RemoteProtocolError, SbxnetError
+from sbxnet.errors import EnvironmentFault, RemoteProtocolError
 from sbxnet.protocol.preamble import Preamble, PreambleError, pull_preamble
 from sbxnet.protocol.status import Status, push_status
 
@@ -35,8 +35,8 @@ log = logging.getLogger("sbxnet.forwarder")
 HOST_ADDRESS_REFRESH_S = 10
 
 
-class ListenError(SbxnetError):
-    pass
+class ListenError(EnvironmentFault):
+    """The listening socket cannot be had (port taken, permission, no such address)."""
 
 
 def bind_listener(host: str, port: int, *, reuse_port: bool, backlog: int = 1024) -> socket.socket:

@@ -30,6 +30,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from sbxnet.errors import RemoteProtocolError
+from sbxnet.protocol.codes import Status
 
 IPNet = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -62,6 +63,8 @@ class TargetPolicy:
 class TargetRefused(RemoteProtocolError):
     """The preamble asks for a destination the forwarder will not connect to; see the module docstring
     for the reason tokens."""
+
+    status_hint = Status.FORBIDDEN
 
 
 def canonical(addr: IPAddress) -> IPAddress:

@@ -16,10 +16,10 @@ of trouble, so callers can catch exactly what they can handle:
 
 from __future__ import annotations
 
-from sbxnet.errors import SbxnetError
+from sbxnet.errors import EnvironmentFault
 
 
-class TapError(SbxnetError):
+class TapError(EnvironmentFault):
     """Base of every tap set-up error; ``fix`` names what to do."""
 
     def __init__(self, reason: str, problem: str, fix: str) -> None:

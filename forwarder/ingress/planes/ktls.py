@@ -28,6 +28,7 @@ from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes import ktls_keys as ktls
 from forwarder.ingress.planes.interface import Handoff, Outcome, abort
 from forwarder.ingress.planes.splice_pump import PumpEvent, PumpOutcome, SplicePump
+from sbxnet.errors import EnvironmentFault
 
 log = logging.getLogger("sbxnet.forwarder")
 METER_REFRESH_S = 0.5
@@ -43,7 +44,7 @@ _OUTCOMES = {
 }
 
 
-class KtlsUnavailable(ktls.KtlsError):
+class KtlsUnavailable(ktls.KtlsError, EnvironmentFault):
     """The kernel cannot carry kernel TLS; ``message`` is the one start-up line (cause and fixes)."""
 
     def __init__(self, result: ktls.ProbeResult) -> None:
