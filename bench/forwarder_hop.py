@@ -16,15 +16,14 @@ Arms:
      certificate, client certificate verified against the same CA, nbthread 1
   C  our forwarder, workers = 2 (SO_REUSEPORT processes)
   D  HAProxy, nbthread 2
-  E  arm A with forwarder.ingress.planes.userspace.CHUNK set to --fwd-chunk at start-up (an experiment on the
-     read size; the module is not edited, the launcher assigns the global before serving)
-  F  arm E plus the gateway->sandbox loop replaced by ``patched_forwarder_main``'s eager recv_into
-     into a buffer allocated once (an experiment for a proposed change; see that function); F/E
-     isolates the eager read, F/A is the whole proposal
-  G  arm B with tune.bufsize = --haproxy-big-bufsize (default 256KiB, the forwarder's read size)
+  G  arm B with tune.bufsize = --haproxy-big-bufsize (default 256KiB, the forwarder's plaintext buffer)
   H  HAProxy, mode tcp, no TLS, nbthread 1, no splice, tune.bufsize as G: the cost of only moving bytes through a
      user-space hop on this machine (recv + send over loopback), the floor under A and B
   P  no hop: plaintext client straight to the sink (the ceiling of client + sink on this machine)
+
+(Arms E and F patched the userspace plane's read size and read loop to measure a proposal; the plane
+adopted it and the knobs they patched are gone, so they were removed. docs/benchmarks.md keeps their
+results.)
 
 Asymmetry: HAProxy does not parse our preamble, so its client sends none and reads no status. Both
 are per-connection costs that fall before "go" and are not in the figures either way.
@@ -69,8 +68,6 @@ ARM_NAMES = {
     "B": "HAProxy tcp+TLS, nbthread 1",
     "C": "forwarder userspace, 2 workers",
     "D": "HAProxy tcp+TLS, nbthread 2",
-    "E": "forwarder userspace, 1 worker, CHUNK patched",
-    "F": "forwarder userspace, 1 worker, CHUNK + eager recv_into patched",
     "G": "HAProxy tcp+TLS, nbthread 1, big buffers",
     "H": "HAProxy tcp, no TLS, nbthread 1, big buffers",
     "P": "no hop (plain TCP client -> sink)",
@@ -313,77 +310,7 @@ class Hop:
                 self.proc.wait()
 
 
-def patched_forwarder_main(argv: list[str]) -> int:
-    """Serve ``sbxnet forwarder`` with experimental changes to the userspace plane (arms E and F).
-
-    ``--chunk N`` sets ``userspace_plane.CHUNK``. ``--eager-recv-into`` replaces the gateway->sandbox
-    loop with one that reads into a buffer allocated once, and tries a non-blocking ``recv_into``
-    before awaiting the loop (uvloop's ``sock_recv`` always registers a reader first: an epoll_ctl
-    add/remove and a loop turn per read). Everything else (decrypt loop, send, close) is as in
-    forwarder/ingress/planes/userspace.py, which stays unedited: these are measurements for a proposal.
-    """
-    import asyncio
-    import contextlib
-    from typing import cast
-
-    import forwarder.ingress.planes.userspace as up_mod
-    from forwarder.ingress.tls_link import MAX_RECORD_BODY
-    from sbxnet.app.cli import main as sbxnet_main
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--chunk", type=int, default=0)
-    p.add_argument("--eager-recv-into", action="store_true")
-    opts, rest = p.parse_known_args(argv)
-    if opts.chunk:
-        up_mod.CHUNK = opts.chunk
-
-    async def gateway_to_sandbox(self: Any, h: Any) -> None:
-        loop = asyncio.get_running_loop()
-        sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
-        if h.leftover:
-            await self._send(up, memoryview(h.leftover), meter)
-        raw = bytearray(up_mod.CHUNK)
-        raw_view = memoryview(raw)
-        buf = bytearray(up_mod.CHUNK + 2 * MAX_RECORD_BODY)
-        view = memoryview(buf)
-        eof = False
-        while not eof:
-            try:
-                try:
-                    got = sock.recv_into(raw)
-                except BlockingIOError:
-                    got = await loop.sock_recv_into(sock, raw)
-            except OSError as e:
-                raise up_mod._Reset("gateway") from e
-            if not got:
-                break
-            h.link.incoming.write(raw_view[:got])
-            n = 0
-            while True:
-                try:
-                    k = cast(int, tls.read(len(buf) - n, view[n:]))
-                except ssl.SSLWantReadError:
-                    break
-                except ssl.SSLZeroReturnError:
-                    eof = True
-                    break
-                except ssl.SSLError as e:
-                    raise up_mod._TlsFailure(e.reason or "tls") from e
-                if k == 0:
-                    eof = True
-                    break
-                n += k
-            if n:
-                await self._send(up, view[:n], meter)
-        with contextlib.suppress(OSError):
-            up.shutdown(socket.SHUT_WR)
-
-    if opts.eager_recv_into:
-        up_mod.UserspacePlane._gateway_to_sandbox = gateway_to_sandbox  # type: ignore[method-assign]
-    return sbxnet_main(rest)
-
-
-def start_forwarder(arm: str, work: Path, certs: Path, workers: int, patch: tuple[str, ...] = ()) -> Hop:
+def start_forwarder(arm: str, work: Path, certs: Path, workers: int) -> Hop:
     port = free_port()
     cfg = work / f"forwarder-{arm}.toml"
     cfg.write_text(
@@ -395,14 +322,12 @@ def start_forwarder(arm: str, work: Path, certs: Path, workers: int, patch: tupl
         f'data_plane = "userspace"\nworkers = {workers}\nlog_level = "warning"\n'
     )
     log = (work / f"forwarder-{arm}.log").open("wb")
-    cmd = [SBXNET, "forwarder", "--config", str(cfg)]
-    if patch:
-        cmd = [PY, __file__, "_fwd_patched", *patch, *cmd[1:]]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen([SBXNET, "forwarder", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=ROOT)
     wait_port(port, proc)
     if workers > 1:
         time.sleep(1.0)  # let every worker bind before load arrives
-    return Hop(arm, port, proc, "fwd", f"workers={workers}" + (f" patched: {' '.join(patch)}" if patch else ""))
+    return Hop(arm, port, proc, "fwd", f"workers={workers}")
 
 
 def start_haproxy(arm: str, work: Path, certs: Path, sink_port: int, threads: int, bufsize: int,
@@ -564,7 +489,7 @@ def ratios(rows: list[dict[str, Any]]) -> str:
     lines = []
     for conns in sorted({r["conns"] for r in rows}):
         by = {a: [r for r in rows if r["arm"] == a and r["conns"] == conns] for a in ARM_NAMES}
-        for ours, theirs in (("A", "B"), ("A", "G"), ("C", "D"), ("E", "A"), ("F", "E"), ("F", "A"), ("F", "G")):
+        for ours, theirs in (("A", "B"), ("A", "G"), ("C", "D")):
             if by[ours] and by[theirs]:
                 g = statistics.median(r["gbps"] for r in by[ours]) / statistics.median(r["gbps"] for r in by[theirs])
                 c = statistics.median(r["hop_cpu_per_gb"] for r in by[theirs]) / statistics.median(
@@ -597,10 +522,6 @@ def runner_main(args: argparse.Namespace) -> int:
                 hops[a] = start_haproxy(a, work, certs, sink.port, 1, args.haproxy_bufsize)
             elif a == "D":
                 hops[a] = start_haproxy(a, work, certs, sink.port, 2, args.haproxy_bufsize)
-            elif a == "E":
-                hops[a] = start_forwarder(a, work, certs, 1, ("--chunk", str(args.fwd_chunk)))
-            elif a == "F":
-                hops[a] = start_forwarder(a, work, certs, 1, ("--chunk", str(args.fwd_chunk), "--eager-recv-into"))
             elif a == "G":
                 hops[a] = start_haproxy(a, work, certs, sink.port, 1, args.haproxy_big_bufsize)
             elif a == "H":
@@ -639,9 +560,6 @@ def runner_main(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "_fwd_patched":
-        sys.path.insert(0, str(ROOT))
-        return patched_forwarder_main(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] in ("_sink", "_client"):
         sys.path.insert(0, str(ROOT))
         p = argparse.ArgumentParser()
@@ -663,15 +581,13 @@ def main() -> int:
                    help="instead of --bytes: each client sends for this long (the figures count what arrived)")
     p.add_argument("--conns", default="1,8", help="comma-separated concurrent connection counts (default 1,8)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the arms, order reversed every other round")
-    p.add_argument("--arms", default="A,B", help="comma-separated arms from A-H,P (default A,B)")
+    p.add_argument("--arms", default="A,B", help="comma-separated arms from A-D,G,H,P (default A,B)")
     p.add_argument("--chunk", type=parse_size, default=1 << 20, help="client write size (default 1MiB)")
     p.add_argument("--sink-buf", type=parse_size, default=1 << 20, help="sink recv_into buffer (default 1MiB)")
     p.add_argument("--haproxy-bufsize", type=parse_size, default=0,
                    help="HAProxy tune.bufsize for arms B and D (default: HAProxy's own, 16384)")
     p.add_argument("--haproxy-big-bufsize", type=parse_size, default=256 << 10,
                    help="HAProxy tune.bufsize for arms G and H (default 256KiB)")
-    p.add_argument("--fwd-chunk", type=parse_size, default=1 << 20,
-                   help="arms E, F: the forwarder's userspace_plane.CHUNK (default 1MiB; the module's is 256KiB)")
     p.add_argument("--json", help="also write every trial as JSON to this file")
     p.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, certs)")
     return runner_main(p.parse_args())
