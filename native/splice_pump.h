@@ -3,7 +3,10 @@
  * Python hands over a (gateway fd, sandbox fd) pair once; from then on the pump owns both descriptors
  * and does every read, write, half-close, reset and (on a kernel-TLS gateway socket) control record
  * itself. Python reads exact per-connection counters whenever it likes and learns of each finished
- * connection through an eventfd plus sp_take_events(). No Python code runs per chunk. */
+ * connection through an eventfd plus sp_take_events(). No Python code runs per chunk.
+ *
+ * native/build_splice.py gives cffi this header (past the includes, comments dropped) as its cdef:
+ * keep it to plain integer #defines, structs and prototypes. */
 #ifndef SBXNET_SPLICE_PUMP_H
 #define SBXNET_SPLICE_PUMP_H
 
@@ -12,7 +15,7 @@
 /* Flags for sp_add(). */
 #define SP_GW_KTLS 0x1u /* the gateway fd has kernel TLS TX and RX installed */
 
-/* Outcomes (sp_event.outcome); forwarder/splice_pump.py names them. */
+/* Outcomes (sp_event.outcome); forwarder/ingress/planes/splice_pump.py names them. */
 #define SP_OUT_CLOSED 0        /* both directions ended with an orderly end of stream */
 #define SP_OUT_RESET_GATEWAY 1 /* the gateway side reset or failed; the sandbox was reset */
 #define SP_OUT_RESET_SANDBOX 2 /* the sandbox side reset or failed; the gateway was reset */

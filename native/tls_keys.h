@@ -1,4 +1,7 @@
-/* TLS 1.3 application traffic keys from OpenSSL into kernel TLS; see tls_keys.c. */
+/* TLS 1.3 application traffic keys from OpenSSL into kernel TLS; see tls_keys.c.
+ *
+ * native/build_tls_keys.py gives cffi this header (past the includes, comments dropped, with SSL and
+ * SSL_CTX declared opaque) as its cdef: keep it to plain integer #defines, structs and prototypes. */
 #ifndef SBXNET_TLS_KEYS_H
 #define SBXNET_TLS_KEYS_H
 
