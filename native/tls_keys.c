@@ -168,7 +168,7 @@ int tk_prepare_ctx(SSL_CTX *ctx)
     return 0;
 }
 
-int tk_ctx_prepared(SSL_CTX *ctx)
+static int ctx_prepared(SSL_CTX *ctx)
 {
     return SSL_CTX_get_keylog_callback(ctx) == keylog_cb;
 }
@@ -289,7 +289,7 @@ static int check_and_build(SSL *ssl, int64_t expect_tx, int64_t expect_rx, union
                            int *tx_size, union crypto_info *rx, int *rx_size)
 {
     struct tk_conn *c = conn_of(ssl, 0);
-    if (!c || !tk_ctx_prepared(SSL_get_SSL_CTX(ssl)))
+    if (!c || !ctx_prepared(SSL_get_SSL_CTX(ssl)))
         return TK_E_NOT_PREPARED;
     if (c->installed)
         return TK_E_STATE;
@@ -383,9 +383,14 @@ int tk_export_for_test(SSL *ssl, int64_t expect_tx, int64_t expect_rx, unsigned 
     return rc;
 }
 
-int tk_attach_ulp(int fd)
+int tk_attach_ulp(int fd, int *sys_errno)
 {
-    return setsockopt(fd, SOL_TCP, TCP_ULP, "tls", 3) < 0 ? -errno : 0;
+    *sys_errno = 0;
+    if (setsockopt(fd, SOL_TCP, TCP_ULP, "tls", 3) < 0) {
+        *sys_errno = errno;
+        return TK_E_ULP;
+    }
+    return 0;
 }
 
 int tk_set_ciphersuites(SSL_CTX *ctx, const char *suites)
@@ -395,5 +400,6 @@ int tk_set_ciphersuites(SSL_CTX *ctx, const char *suites)
 
 int tk_key_update(SSL *ssl, int request_peer)
 {
-    return SSL_key_update(ssl, request_peer ? SSL_KEY_UPDATE_REQUESTED : SSL_KEY_UPDATE_NOT_REQUESTED);
+    int type = request_peer ? SSL_KEY_UPDATE_REQUESTED : SSL_KEY_UPDATE_NOT_REQUESTED;
+    return SSL_key_update(ssl, type) == 1 ? 0 : TK_E_OPENSSL;
 }

@@ -257,10 +257,10 @@ def attach_ulp(sock: socket.socket) -> None:
     With no keys set the socket behaves as plain TCP, so the handshake in user space is unaffected;
     ``install`` later only sets TLS_TX/TLS_RX, which the kernel accepts even after the peer's FIN.
     """
-    _, lib = _lib()
-    rc = int(lib.tk_attach_ulp(sock.fileno()))
-    if rc:
-        raise KtlsError("ulp_attach_failed", os.strerror(-rc))
+    ffi, lib = _lib()
+    err = ffi.new("int *")
+    if int(lib.tk_attach_ulp(sock.fileno(), err)):
+        raise KtlsError("ulp_attach_failed", os.strerror(err[0]))
 
 
 def installed_directions(fd: int) -> tuple[bool, bool]:
@@ -325,5 +325,5 @@ def set_ciphersuites_for_test(ctx: ssl.SSLContext, suites: str) -> None:
 def key_update_for_test(obj: ssl.SSLObject, *, request_peer: bool = False) -> None:
     """TESTS ONLY (a gateway that sends KeyUpdate): queue a KeyUpdate; the next do_handshake sends it."""
     _, lib = _lib()
-    if int(lib.tk_key_update(_ssl_ptr(obj), 1 if request_peer else 0)) != 1:
+    if int(lib.tk_key_update(_ssl_ptr(obj), 1 if request_peer else 0)):
         raise KtlsError("openssl_error", "SSL_key_update")
