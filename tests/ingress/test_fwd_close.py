@@ -5,9 +5,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from fwd_support import ForwarderThread, GwClient, Pki, SandboxApp, preamble_for
+
+MakeForwarder = Callable[..., ForwarderThread]  # the make_forwarder fixture (tests/ingress/conftest.py)
 
 
 def test_gateway_half_close_then_sandbox_answers(forwarder: ForwarderThread, pki: Pki) -> None:
@@ -96,7 +99,7 @@ def test_gateway_reset_reaches_sandbox_as_reset(forwarder: ForwarderThread, pki:
     assert forwarder.sample("sbxnet_forwarder_connections_total", {"outcome": "reset_gateway"}) == 1
 
 
-def test_close_timeout_cuts_a_direction_that_never_ends(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+def test_close_timeout_cuts_a_direction_that_never_ends(make_forwarder: MakeForwarder, pki: Pki) -> None:
     fwd = make_forwarder(close_timeout=0.3)
     hold = threading.Event()
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ssl
 import time
+from collections.abc import Callable
 
 import pytest
 from fwd_support import ForwarderThread, GwClient, Pki, SandboxApp, open_fds, preamble_for
 
 from sbxnet.protocol.status import Status
+
+MakeForwarder = Callable[..., ForwarderThread]  # the make_forwarder fixture (tests/ingress/conftest.py)
 
 
 def _never(conn: object) -> None:
@@ -50,7 +53,7 @@ def test_san_not_on_allowlist(forwarder: ForwarderThread, pki: Pki) -> None:
     assert app.accepted == 0
 
 
-def test_star_segment_allowlist(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+def test_star_segment_allowlist(make_forwarder: MakeForwarder, pki: Pki) -> None:
     fwd = make_forwarder(client_san_allow=["spiffe://sbxnet.test/*"])
     app = SandboxApp(lambda conn: None)
     client = GwClient(fwd.port, pki.client_ctx("intruder"))
@@ -125,7 +128,7 @@ def test_preamble_dripped_one_byte_per_second_is_cut_at_the_timeout(forwarder: F
         ("10.99.0.1", "outside_prefixes"),
     ],
 )
-def test_forbidden_targets(make_forwarder, pki: Pki, dst: str, reason: str) -> None:  # type: ignore[no-untyped-def]
+def test_forbidden_targets(make_forwarder: MakeForwarder, pki: Pki, dst: str, reason: str) -> None:
     import ipaddress
 
     fwd = make_forwarder(
@@ -141,7 +144,7 @@ def test_forbidden_targets(make_forwarder, pki: Pki, dst: str, reason: str) -> N
     assert fwd.sample("sbxnet_forwarder_target_rejects_total", {"reason": reason}) == 1
 
 
-def test_host_address_refused(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+def test_host_address_refused(make_forwarder: MakeForwarder, pki: Pki) -> None:
     import ipaddress
 
     from forwarder.ingress.host_addrs import host_addresses
@@ -161,7 +164,7 @@ def test_host_address_refused(make_forwarder, pki: Pki) -> None:  # type: ignore
 # -- sandbox not there -----------------------------------------------------------------------------
 
 
-def test_not_listening_gets_status_and_leaks_nothing(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+def test_not_listening_gets_status_and_leaks_nothing(make_forwarder: MakeForwarder, pki: Pki) -> None:
     fwd = make_forwarder(connect_deadline=0.3)
     app = SandboxApp(_never, listen=False)  # a port nobody listens on
     before = open_fds()

@@ -6,6 +6,7 @@ import hashlib
 import socket
 import threading
 
+import pytest
 from fwd_support import ForwarderThread, GwClient, Pki, SandboxApp, payload, preamble_for, recv_all
 
 from sbxnet.protocol.status import Status
@@ -80,7 +81,9 @@ def test_preamble_and_tenant_bytes_in_one_record(forwarder: ForwarderThread, pki
     client.close()
 
 
-def test_logs_carry_sandbox_and_connection_ids(forwarder: ForwarderThread, pki: Pki, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_logs_carry_sandbox_and_connection_ids(
+    forwarder: ForwarderThread, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
     import json
     import logging
 

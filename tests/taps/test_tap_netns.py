@@ -13,6 +13,7 @@ import os
 import random
 import struct
 from ipaddress import IPv4Address
+from typing import TYPE_CHECKING
 
 import pytest
 from conftest import TapEnv
@@ -37,6 +38,9 @@ from forwarder.taps.netlink import (
 from forwarder.taps.netns import call_in_netns
 from forwarder.taps.plan import AddAddr, DelAddr, DelNeighbour, SetMac, SetMtu, SetNeighbour, SetUp
 from forwarder.taps.spec import NUD_PERMANENT, NUD_REACHABLE, NUD_STALE
+
+if TYPE_CHECKING:  # for the annotation; pyroute2 is imported where used, as in the rest of the tap code
+    from pyroute2 import IPRoute
 
 pytestmark = pytest.mark.netns
 
@@ -75,7 +79,7 @@ def assert_pinned(spec: TapSpec) -> dict:
     return state
 
 
-def rtnl(netns: str | None):  # type: ignore[no-untyped-def]
+def rtnl(netns: str | None) -> IPRoute:
     from pyroute2 import IPRoute
 
     return IPRoute(netns=netns, flags=0) if netns else IPRoute()

@@ -26,6 +26,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from ipaddress import IPv4Address
+from typing import TYPE_CHECKING
 
 import pytest
 from conftest import TapEnv
@@ -35,6 +36,9 @@ from forwarder.taps.netlink import TapSpec, derive_mac, ensure_tap, open_tap_que
 from forwarder.taps.netns import call_in_netns
 from forwarder.taps.plan import SetNeighbour
 from forwarder.taps.spec import NUD_INCOMPLETE, NUD_STALE
+
+if TYPE_CHECKING:  # for the annotation; pyroute2 is imported where used, as in the rest of the tap code
+    from pyroute2 import IPRoute
 
 pytestmark = pytest.mark.netns
 
@@ -47,7 +51,7 @@ def pooled_spec(ns: str, sid: str = "lineage-probe") -> TapSpec:
                          host_addr="172.16.0.1/30", guest_ip="172.16.0.2", netns=ns)
 
 
-def rtnl(netns: str):  # type: ignore[no-untyped-def]
+def rtnl(netns: str) -> IPRoute:
     from pyroute2 import IPRoute
 
     return IPRoute(netns=netns, flags=0)
@@ -147,12 +151,14 @@ def stall_run(env: TapEnv, spec: TapSpec, cap: Capture, tap_fd: int, tap_mac: st
     fresh_sent = False
     syn_first = syn_fresh = None
     arps = 0
+    f: Frame | None  # a frame read from the tap, then each captured one
     while True:
         now = time.time_ns()
         if now >= t0 + limit_ms * MS or syn_fresh is not None:
             break
         wake = t0 + (fresh_at_ms if not fresh_sent else limit_ms) * MS
-        r, _, _ = select.select([cap.sock, tap_fd], [], [], max(0.0, (wake - now) / 1e9))
+        watched: list[socket.socket | int] = [cap.sock, tap_fd]
+        r, _, _ = select.select(watched, [], [], max(0.0, (wake - now) / 1e9))
         if not fresh_sent and time.time_ns() >= t0 + fresh_at_ms * MS:
             start_connect(fresh, spec.guest_ip, 7002)
             fresh_sent = True
