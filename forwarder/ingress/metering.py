@@ -1,23 +1,23 @@
-"""Exact byte counts per connection and per sandbox, each direction.
+"""Exact byte counts per connection and per sandbox, each direction. Time comes from the caller.
 
-The hot path touches only its own ``ConnMeter`` (two integer adds per chunk). Per-sandbox totals are
+The hot path touches only its own ``ConnMeter`` (two integer adds per chunk, and ``last_activity`` set to
+the time the plane read). Per-sandbox totals are
 derived when someone asks (the idle-timer feed, the metrics flush): closed connections are folded into
 the sandbox's totals once, live ones are summed at read time.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(eq=False)
 class ConnMeter:
     sandbox_id: str
     conn_id: str
+    last_activity: float  # the caller's monotonic clock
     up: int = 0  # gateway -> sandbox
     down: int = 0  # sandbox -> gateway
-    last_activity: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -40,8 +40,9 @@ class Meter:
         self._live: dict[str, set[ConnMeter]] = {}
         self._closed: dict[str, _Closed] = {}
 
-    def open(self, sandbox_id: str, conn_id: str) -> ConnMeter:
-        m = ConnMeter(sandbox_id, conn_id)
+    def open(self, sandbox_id: str, conn_id: str, now: float) -> ConnMeter:
+        """A meter for a new connection; ``now`` is its first activity."""
+        m = ConnMeter(sandbox_id, conn_id, last_activity=now)
         self._live.setdefault(sandbox_id, set()).add(m)
         return m
 

@@ -346,7 +346,7 @@ class ForwarderServer:
             abort(upstream)
             abort(sock)
             return Outcome.RESET_GATEWAY.value
-        meter = self.meter.open(preamble.sandbox_id, ctx["conn_id"])
+        meter = self.meter.open(preamble.sandbox_id, ctx["conn_id"], time.monotonic())
         started = time.monotonic()
         log.info(
             "connected",
