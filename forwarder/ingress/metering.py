@@ -1,14 +1,22 @@
 """Exact byte counts per connection and per sandbox, each direction. Time comes from the caller.
 
-The hot path touches only its own ``ConnMeter`` (two integer adds per chunk, and ``last_activity`` set to
-the time the plane read). Per-sandbox totals are
-derived when someone asks (the idle-timer feed, the metrics flush): closed connections are folded into
-the sandbox's totals once, live ones are summed at read time.
+The hot path touches only its own ``ConnMeter``: two integer adds per chunk, and ``last_activity`` set to
+the time the plane read. The ``Meter`` derives the rest when asked:
+
+- ``take_deltas(now)``: what moved per sandbox since the previous take (the idle-timer feed). Every byte
+  a connection counted appears in exactly one take: live connections carry what earlier takes already
+  reported, and a closing connection folds what no take has reported yet into its sandbox's pending
+  entry.
+- ``totals()``: bytes since start, for the metrics flush: a running sum over closed connections plus the
+  live ones, so it stays exact after sandboxes are forgotten.
+
+Memory is bounded by the live connections plus the sandboxes touched since the previous take: a sandbox
+is forgotten at the take that reports it with no connection open.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(eq=False)
@@ -16,8 +24,20 @@ class ConnMeter:
     sandbox_id: str
     conn_id: str
     last_activity: float  # the caller's monotonic clock
-    up: int = 0  # gateway -> sandbox
-    down: int = 0  # sandbox -> gateway
+    up: int = 0  # gateway -> sandbox; only ever grows
+    down: int = 0  # sandbox -> gateway; only ever grows
+    # How much of up/down earlier takes reported. The Meter's bookkeeping: planes never touch it.
+    _taken_up: int = field(default=0, init=False, repr=False)
+    _taken_down: int = field(default=0, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class SandboxDelta:
+    bytes_up: int  # since the previous take
+    bytes_down: int
+    open_connections: int  # at this take
+    last_activity: float  # the latest of any of its connections, open or closed since the previous take
+    idle_s: float  # now - last_activity (never negative): the age a peer on another clock can use
 
 
 @dataclass
@@ -29,7 +49,9 @@ class SandboxUsage:
 
 
 @dataclass
-class _Closed:
+class _Pending:
+    """A sandbox's closed connections' bytes that no take has reported yet."""
+
     up: int = 0
     down: int = 0
     last_activity: float = 0.0
@@ -38,43 +60,78 @@ class _Closed:
 class Meter:
     def __init__(self) -> None:
         self._live: dict[str, set[ConnMeter]] = {}
-        self._closed: dict[str, _Closed] = {}
+        # Sandboxes with a connection opened or closed since the previous take (reported by the next).
+        self._pending: dict[str, _Pending] = {}
+        self._closed_up = 0  # every closed connection's bytes since start
+        self._closed_down = 0
 
     def open(self, sandbox_id: str, conn_id: str, now: float) -> ConnMeter:
-        """A meter for a new connection; ``now`` is its first activity."""
+        """A meter for a new connection; ``now`` is its first activity. The next take reports the
+        sandbox (its open connections changed) even if no byte moves."""
         m = ConnMeter(sandbox_id, conn_id, last_activity=now)
         self._live.setdefault(sandbox_id, set()).add(m)
+        p = self._pending.setdefault(sandbox_id, _Pending())
+        p.last_activity = max(p.last_activity, now)
         return m
 
     def close(self, m: ConnMeter) -> None:
+        """The connection is over: its bytes are final. Closing twice, or a meter from another Meter,
+        does nothing."""
         live = self._live.get(m.sandbox_id)
         if live is None or m not in live:
             return
         live.discard(m)
         if not live:
             del self._live[m.sandbox_id]
-        c = self._closed.setdefault(m.sandbox_id, _Closed())
-        c.up += m.up
-        c.down += m.down
-        c.last_activity = max(c.last_activity, m.last_activity)
+        p = self._pending.setdefault(m.sandbox_id, _Pending())
+        p.up += m.up - m._taken_up
+        p.down += m.down - m._taken_down
+        p.last_activity = max(p.last_activity, m.last_activity)
+        m._taken_up, m._taken_down = m.up, m.down
+        self._closed_up += m.up
+        self._closed_down += m.down
+
+    def take_deltas(self, now: float) -> dict[str, SandboxDelta]:
+        """What moved per sandbox since the previous take, and forget what is done.
+
+        A sandbox is reported when bytes moved or a connection opened or closed since the previous
+        take; one with open connections and nothing new is not (its last report still holds). After
+        the take, a sandbox with no open connection is forgotten."""
+        out: dict[str, SandboxDelta] = {}
+        for sid in self._live.keys() | self._pending.keys():
+            p = self._pending.get(sid)
+            live = self._live.get(sid, ())
+            up = (p.up if p else 0) + sum(m.up - m._taken_up for m in live)
+            down = (p.down if p else 0) + sum(m.down - m._taken_down for m in live)
+            if p is None and up == 0 and down == 0:
+                continue
+            for m in live:
+                m._taken_up, m._taken_down = m.up, m.down
+            last = max([p.last_activity if p else 0.0, *(m.last_activity for m in live)])
+            out[sid] = SandboxDelta(up, down, len(live), last, max(0.0, now - last))
+        self._pending.clear()
+        return out
 
     def usage(self) -> dict[str, SandboxUsage]:
-        """Cumulative totals per sandbox since start (monotonic; callers diff for deltas)."""
+        """What the next take would report, without taking (bytes since the previous take, or since
+        start before the first), for the sandboxes still known."""
         out: dict[str, SandboxUsage] = {}
-        for sid in set(self._live) | set(self._closed):
-            c = self._closed.get(sid, _Closed())
-            live = self._live.get(sid, set())
+        for sid in self._live.keys() | self._pending.keys():
+            p = self._pending.get(sid, _Pending())
+            live = self._live.get(sid, ())
             out[sid] = SandboxUsage(
-                bytes_up=c.up + sum(m.up for m in live),
-                bytes_down=c.down + sum(m.down for m in live),
+                bytes_up=p.up + sum(m.up - m._taken_up for m in live),
+                bytes_down=p.down + sum(m.down - m._taken_down for m in live),
                 open_connections=len(live),
-                last_activity=max([c.last_activity, *(m.last_activity for m in live)]),
+                last_activity=max([p.last_activity, *(m.last_activity for m in live)]),
             )
         return out
 
     def totals(self) -> tuple[int, int]:
-        up = down = 0
-        for u in self.usage().values():
-            up += u.bytes_up
-            down += u.bytes_down
+        """Bytes up and down since start, every connection, exact (forgotten sandboxes included)."""
+        up, down = self._closed_up, self._closed_down
+        for live in self._live.values():
+            for m in live:
+                up += m.up
+                down += m.down
         return up, down

@@ -1,0 +1,187 @@
+"""Metering with a fake clock: exact, exactly-once deltas per sandbox, exact totals, bounded memory."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forwarder.ingress.metering import ConnMeter, Meter, SandboxDelta
+
+
+def moved(m: ConnMeter, up: int, down: int, now: float) -> None:
+    """What a plane does per chunk."""
+    m.up += up
+    m.down += down
+    m.last_activity = now
+
+
+def test_deltas_across_opens_closes_and_takes() -> None:
+    meter = Meter()
+    a1 = meter.open("sbx-a", "c1", 1.0)
+    a2 = meter.open("sbx-a", "c2", 1.5)
+    b1 = meter.open("sbx-b", "c3", 2.0)
+    moved(a1, 100, 10, 2.5)
+    moved(a2, 5, 7, 3.0)
+    moved(b1, 1, 0, 2.25)
+    meter.close(a1)
+    assert meter.take_deltas(4.0) == {
+        "sbx-a": SandboxDelta(bytes_up=105, bytes_down=17, open_connections=1, last_activity=3.0, idle_s=1.0),
+        "sbx-b": SandboxDelta(bytes_up=1, bytes_down=0, open_connections=1, last_activity=2.25, idle_s=1.75),
+    }
+    moved(a2, 1000, 0, 4.5)
+    meter.close(a2)
+    meter.close(a2)  # twice: nothing more
+    meter.close(b1)
+    assert meter.take_deltas(5.0) == {
+        "sbx-a": SandboxDelta(1000, 0, 0, 4.5, 0.5),
+        "sbx-b": SandboxDelta(0, 0, 0, 2.25, 2.75),  # closed with nothing new: reported, then forgotten
+    }
+    assert meter.take_deltas(6.0) == {}
+
+
+def test_an_open_with_no_bytes_is_reported_once() -> None:
+    meter = Meter()
+    meter.open("sbx-a", "c1", 1.0)
+    assert meter.take_deltas(1.25) == {"sbx-a": SandboxDelta(0, 0, 1, 1.0, 0.25)}
+    assert meter.take_deltas(2.0) == {}  # still open, nothing new
+
+
+def test_forgotten_after_a_take_with_no_open_connection() -> None:
+    meter = Meter()
+    m = meter.open("sbx-a", "c1", 1.0)
+    moved(m, 3, 4, 1.5)
+    meter.close(m)
+    assert meter.usage()["sbx-a"].bytes_up == 3
+    assert meter.take_deltas(2.0) == {"sbx-a": SandboxDelta(3, 4, 0, 1.5, 0.5)}
+    assert meter.usage() == {}
+    assert meter.take_deltas(3.0) == {}
+    assert meter.totals() == (3, 4)
+
+
+def test_still_open_sandbox_is_kept() -> None:
+    meter = Meter()
+    done = meter.open("sbx-a", "c1", 1.0)
+    live = meter.open("sbx-a", "c2", 1.0)
+    moved(done, 1, 1, 1.1)
+    meter.close(done)
+    assert meter.take_deltas(2.0)["sbx-a"].open_connections == 1
+    assert meter.take_deltas(3.0) == {}
+    assert set(meter.usage()) == {"sbx-a"}
+    moved(live, 0, 9, 3.5)
+    assert meter.take_deltas(4.0) == {"sbx-a": SandboxDelta(0, 9, 1, 3.5, 0.5)}
+
+
+def test_bytes_after_a_take_appear_in_the_next_take_only() -> None:
+    meter = Meter()
+    m = meter.open("sbx-a", "c1", 0.0)
+    moved(m, 10, 20, 0.5)
+    assert meter.take_deltas(1.0)["sbx-a"].bytes_up == 10
+    moved(m, 1, 2, 1.5)
+    assert meter.take_deltas(2.0) == {"sbx-a": SandboxDelta(1, 2, 1, 1.5, 0.5)}
+    moved(m, 4, 0, 2.5)
+    meter.close(m)  # bytes not yet taken are folded at close, not lost
+    moved(m, 99, 99, 2.6)  # after close: not counted anywhere
+    assert meter.take_deltas(3.0) == {"sbx-a": SandboxDelta(4, 0, 0, 2.5, 0.5)}
+    assert meter.take_deltas(4.0) == {}
+    assert meter.totals() == (15, 22)
+
+
+def test_absolute_counters_as_the_ktls_plane_sets_them() -> None:
+    # The kTLS plane copies the pump's running counters into the meter rather than adding.
+    meter = Meter()
+    m = meter.open("sbx-k", "c1", 0.0)
+    m.up, m.down, m.last_activity = 1000, 50, 0.5
+    assert meter.take_deltas(1.0) == {"sbx-k": SandboxDelta(1000, 50, 1, 0.5, 0.5)}
+    m.up, m.down, m.last_activity = 1500, 50, 1.5
+    assert meter.take_deltas(2.0) == {"sbx-k": SandboxDelta(500, 0, 1, 1.5, 0.5)}
+    assert meter.take_deltas(3.0) == {}  # the same counters again: nothing moved
+    m.up, m.down = 1600, 80
+    meter.close(m)
+    assert meter.take_deltas(4.0) == {"sbx-k": SandboxDelta(100, 30, 0, 1.5, 2.5)}
+    assert meter.totals() == (1600, 80)
+
+
+def test_totals_exact_across_forgotten_sandboxes() -> None:
+    meter = Meter()
+    live = meter.open("sbx-live", "c0", 0.0)
+    for i in range(50):
+        m = meter.open(f"sbx-{i}", f"c{i}", float(i))
+        moved(m, i, 2 * i, float(i))
+        meter.close(m)
+        if i % 7 == 0:
+            meter.take_deltas(float(i))
+    moved(live, 5, 6, 60.0)
+    meter.take_deltas(61.0)
+    assert meter.totals() == (sum(range(50)) + 5, 2 * sum(range(50)) + 6)
+
+
+def test_memory_is_bounded_by_active_sandboxes() -> None:
+    meter = Meter()
+    for round_ in range(20):
+        opened = [meter.open(f"sbx-{round_}-{i}", "c", 0.0) for i in range(100)]
+        for m in opened:
+            moved(m, 1, 1, 1.0)
+            meter.close(m)
+        assert len(meter.take_deltas(2.0)) == 100
+    assert meter._live == {}
+    assert meter._pending == {}
+    assert meter.totals() == (2000, 2000)
+
+
+# -- random sequences: every metered byte in exactly one take ------------------------------------------
+
+# (op, which sandbox or connection, bytes up, bytes down)
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["open", "move", "move", "close", "take"]),
+        st.integers(0, 9),
+        st.integers(0, 5000),
+        st.integers(0, 5000),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ops)
+def test_sum_of_all_takes_is_every_byte_metered(ops: list[tuple[str, int, int, int]]) -> None:
+    meter = Meter()
+    conns: list[ConnMeter] = []
+    closed: set[int] = set()
+    metered: dict[str, list[int]] = {}
+    taken: dict[str, list[int]] = {}
+    now = 0.0
+
+    def take() -> None:
+        for sid, d in meter.take_deltas(now).items():
+            t = taken.setdefault(sid, [0, 0])
+            t[0] += d.bytes_up
+            t[1] += d.bytes_down
+            assert d.open_connections == sum(1 for i, c in enumerate(conns) if c.sandbox_id == sid and i not in closed)
+            assert 0 <= d.idle_s <= now
+
+    for op, which, up, down in ops:
+        now += 0.25
+        if op == "open":
+            conns.append(meter.open(f"sbx-{which % 5}", f"c{len(conns)}", now))
+        elif op == "move" and conns and which % len(conns) not in closed:
+            c = conns[which % len(conns)]
+            moved(c, up, down, now)
+            m = metered.setdefault(c.sandbox_id, [0, 0])
+            m[0] += up
+            m[1] += down
+        elif op == "close" and conns:
+            meter.close(conns[which % len(conns)])
+            closed.add(which % len(conns))
+        elif op == "take":
+            take()
+        assert meter.totals() == (sum(m[0] for m in metered.values()), sum(m[1] for m in metered.values()))
+        live_sandboxes = {c.sandbox_id for i, c in enumerate(conns) if i not in closed}
+        assert set(meter._live) == live_sandboxes  # nothing kept for closed-and-taken sandboxes
+    for i, c in enumerate(conns):
+        meter.close(c)
+        closed.add(i)
+    take()
+    assert {s: v for s, v in taken.items() if v != [0, 0]} == {s: v for s, v in metered.items() if v != [0, 0]}
+    assert meter._live == {} and meter._pending == {}
+    assert meter.take_deltas(now) == {}
