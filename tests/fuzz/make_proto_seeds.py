@@ -3,7 +3,7 @@ tests/seeds/egress_frames/, tests/seeds/vxlan/, tests/seeds/arp/.
 
 Each seed is what the target's ``one_input`` takes (a selector byte, then the bytes parsed). Names are
 ``<expected>-<what>``, where ``expected`` is ``ok`` or the refusal reason the target's ``classify``
-must return; tests/egress/test_proto_fuzz_seeds.py checks every name on every run.
+must return; tests/fuzz/test_seed_replay.py checks every name on every run.
 Usage: .venv/bin/python tests/fuzz/make_proto_seeds.py
 """
 

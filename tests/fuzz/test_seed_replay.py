@@ -1,0 +1,85 @@
+"""Replays every stored fuzz seed through its fuzz target on every test run, then a short random run.
+
+Seeds live in tests/seeds/<corpus>/ (regenerate with tests/fuzz/make_*_seeds.py). Every seed goes through
+its target's ``one_input``, which raises on any broken invariant. Where the corpus names its seeds
+``<expected>-<what>``, the target's ``classify`` must also return ``expected`` ("ok" or a refusal
+reason). The long runs are bench/fuzz_preamble.py, bench/fuzz_egress.py and bench/egress/fuzz_long.py.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+# The targets are imported by bare name, as pytest puts this directory on sys.path (and the bench
+# scripts put it on theirs).
+import fuzz_arp
+import fuzz_egress_frames
+import fuzz_preamble
+import fuzz_rewrite
+import fuzz_segment
+import fuzz_vxlan
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+SEEDS = Path(__file__).resolve().parent.parent / "seeds"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str  # the directory under tests/seeds/
+    target: ModuleType  # tests/fuzz/fuzz_<...>.py: one_input(data), and classify(data) if named_outcome
+    min_seeds: int
+    required: tuple[str, ...] = ()  # fnmatch patterns: each must match at least one seed's name
+    named_outcome: bool = False  # seed names are "<expected>-<what>", checked against target.classify
+
+
+# The cases the design names (a checksum offset aimed into the IPv4 header, a TCP GSO type on a UDP
+# packet) are required, so the replay fails if they go missing.
+CORE_CASES = ("csum-offset-into-ip-dst*", "tcp-gso-on-udp*")
+CORPORA = (
+    Corpus("preamble", fuzz_preamble, 30),
+    Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
+    Corpus("segment", fuzz_segment, 30, CORE_CASES),
+    Corpus("egress_frames", fuzz_egress_frames, 10, ("bad_csum_start-aimed-at-ip*", "gso_proto_mismatch-tcpv4-on-udp"),
+           named_outcome=True),
+    Corpus("vxlan", fuzz_vxlan, 10, named_outcome=True),
+    Corpus("arp", fuzz_arp, 10, named_outcome=True),
+)
+BY_NAME = {c.name: c for c in CORPORA}
+
+
+def seeds(corpus: Corpus) -> list[Path]:
+    """The corpus's seed files, sorted; none if the directory is missing (test_corpus then fails)."""
+    d = SEEDS / corpus.name
+    return sorted(d.iterdir()) if d.is_dir() else []
+
+
+CASES = [(c.name, p) for c in CORPORA for p in seeds(c)]
+
+
+@pytest.mark.parametrize("corpus", CORPORA, ids=[c.name for c in CORPORA])
+def test_corpus(corpus: Corpus) -> None:
+    names = [p.name for p in seeds(corpus)]
+    assert len(names) >= corpus.min_seeds, f"seed corpus tests/seeds/{corpus.name}: {len(names)} seeds"
+    for pattern in corpus.required:
+        assert fnmatch.filter(names, pattern), f"no seed in tests/seeds/{corpus.name} matches {pattern!r}"
+
+
+@pytest.mark.parametrize(("corpus", "path"), CASES, ids=[f"{c}/{p.name}" for c, p in CASES])
+def test_seed(corpus: str, path: Path) -> None:
+    c = BY_NAME[corpus]
+    data = path.read_bytes()
+    c.target.one_input(data)
+    if c.named_outcome:
+        assert c.target.classify(data) == path.name.split("-")[0]
+
+
+# About 100 random inputs per target.
+@settings(max_examples=100 * len(CORPORA), deadline=None)
+@given(st.sampled_from(CORPORA), st.binary(max_size=120))
+def test_targets_on_random_bytes(corpus: Corpus, data: bytes) -> None:
+    corpus.target.one_input(data)
