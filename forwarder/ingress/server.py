@@ -1,9 +1,7 @@
-"""The forwarder's accept loop and per-connection sequence (the adapter that owns the sockets).
+"""The forwarder's listener: accept loop, drain, certificate reload, metrics flush.
 
-Per connection: take a slot, accept, TLS handshake within ``handshake_timeout`` (refusals counted by
-reason), peer SAN against the allowlist, preamble within ``preamble_timeout`` and ``preamble_max_bytes``,
-target guard, connect with cold-start retry, one status record, then the data plane. Nothing reaches a
-sandbox before the peer is authenticated and the preamble is whole and allowed.
+Per connection it takes a slot, accepts, and runs the steps in ``sequence.py`` (handshake, allowlist,
+preamble, target guard, connect, status, data plane), counting the outcome they end with.
 """
 
 from __future__ import annotations
@@ -15,21 +13,16 @@ import logging
 import secrets
 import socket
 import ssl
-import time
 
-from forwarder.ingress.connect import connect_with_retry
 from forwarder.ingress.host_addrs import IPAddress, host_addresses
 from forwarder.ingress.metering import Meter
 from forwarder.ingress.metrics import ForwarderMetrics
-from forwarder.ingress.planes.interface import DataPlane, Handoff, Outcome, abort
-from forwarder.ingress.san_acl import SanAllowlist, peer_sans
+from forwarder.ingress.planes.interface import DataPlane, Outcome, abort
+from forwarder.ingress.sequence import ConnectionSequence
 from forwarder.ingress.settings import ForwarderSettings
-from forwarder.ingress.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
-from forwarder.ingress.tls_context import handshake_failure_reason, server_context
-from forwarder.ingress.tls_link import TlsLink
-from sbxnet.errors import EnvironmentFault, RemoteProtocolError
-from sbxnet.protocol.preamble import Preamble, PreambleError, pull_preamble
-from sbxnet.protocol.status import Status, push_status
+from forwarder.ingress.target_guard import TargetPolicy
+from forwarder.ingress.tls_context import server_context
+from sbxnet.errors import EnvironmentFault
 
 log = logging.getLogger("sbxnet.forwarder")
 HOST_ADDRESS_REFRESH_S = 10
@@ -91,9 +84,9 @@ class ForwarderServer:
         self.metrics = metrics or ForwarderMetrics()
         self.plane = plane or make_plane(settings, self.metrics)
         self.ctx = server_context(settings)
-        self.acl = SanAllowlist(tuple(settings.client_san_allow))
         self.policy = self._policy(frozenset())
         self.meter = Meter()
+        self.sequence = ConnectionSequence(settings, self.metrics, self.plane, self.meter)
         self._reuse_port = reuse_port
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
@@ -241,8 +234,8 @@ class ForwarderServer:
         ctx = {"conn_id": conn_id, "peer": peer}
         self.metrics.open_connections.inc()
         try:
-            outcome = await self._serve_inner(sock, ctx)
-            self.metrics.connections.labels(outcome).inc()
+            outcome = await self.sequence.run(sock, ctx, self.ctx, self.policy)
+            self.metrics.connections.labels(outcome.value).inc()
         except asyncio.CancelledError:
             self.metrics.connections.labels(Outcome.DRAINED.value).inc()
             abort(sock)
@@ -253,160 +246,3 @@ class ForwarderServer:
             abort(sock)
         finally:
             self.metrics.open_connections.dec()
-
-    async def _serve_inner(self, sock: socket.socket, ctx: dict[str, str]) -> str:
-        s = self.settings
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.plane.on_accept(sock)  # the ktls plane attaches the TLS ULP while the socket is ESTABLISHED
-        link = TlsLink(sock, self.ctx)
-        try:
-            async with asyncio.timeout(s.handshake_timeout):
-                await link.handshake()
-        except (ssl.SSLError, OSError, TimeoutError, RemoteProtocolError) as e:
-            reason = handshake_failure_reason(e)
-            self.metrics.handshake_rejects.labels(reason).inc()
-            log.warning("handshake refused", extra={**ctx, "event": "handshake_refused", "reason": reason})
-            sock.close()
-            return "handshake_refused"
-
-        sans = peer_sans(link.peercert())
-        who = self.acl.first_match(sans)
-        if who is None:
-            self.metrics.handshake_rejects.labels("san_not_allowed").inc()
-            log.warning(
-                "peer not on the allowlist",
-                extra={
-                    **ctx,
-                    "event": "handshake_refused",
-                    "reason": "san_not_allowed",
-                    "fields": {"peer_sans": sans[:8]},
-                },
-            )
-            await self._finish(link, Status.FORBIDDEN)
-            return "handshake_refused"
-        ctx["client"] = who
-
-        try:
-            preamble, leftover = await self._read_preamble(link)
-        except PreambleError as e:
-            self.metrics.preamble_rejects.labels(e.reason).inc()
-            log.warning("preamble refused", extra={**ctx, "event": "preamble_refused", "reason": e.reason})
-            await self._finish(link, Status.BAD_PREAMBLE)
-            return "bad_preamble"
-        except RemoteProtocolError as e:  # eof, reset or an undecryptable record before the preamble
-            self.metrics.preamble_rejects.labels(e.reason).inc()
-            log.warning("preamble refused", extra={**ctx, "event": "preamble_refused", "reason": e.reason})
-            abort(sock)
-            return "bad_preamble"
-        ctx["sandbox_id"] = preamble.sandbox_id
-        if preamble.connection_id:
-            # The gateway's UNIQUE_ID, so its logs and ours join on one key. Printable ASCII is logged
-            # as is; anything else as hex, never raw peer bytes.
-            cid = preamble.connection_id
-            ctx["gateway_conn_id"] = cid.decode() if cid.isascii() and cid.decode().isprintable() else cid.hex()
-        target = f"{preamble.dst}:{preamble.dst_port}"
-        ctx["target"] = target
-
-        try:
-            judge_target(preamble.dst, preamble.dst_port, self.policy)
-        except TargetRefused as e:
-            self.metrics.target_rejects.labels(e.reason).inc()
-            log.warning("target refused", extra={**ctx, "event": "target_refused", "reason": e.reason})
-            await self._finish(link, Status.FORBIDDEN)
-            return "forbidden"
-
-        result = await connect_with_retry(
-            canonical(preamble.dst),
-            preamble.dst_port,  # connect to exactly what was judged
-            deadline_s=s.connect_deadline,
-            syn_interval=s.connect_syn_interval,
-            backoff_initial=s.connect_backoff_initial,
-            backoff_cap=s.connect_backoff_cap,
-        )
-        self.metrics.connect_attempts.inc(result.attempts)
-        self.metrics.connect_latency.labels("ok" if result.sock else "failed").observe(result.elapsed)
-        if result.sock is None:
-            log.warning(
-                "sandbox not listening",
-                extra={
-                    **ctx,
-                    "event": "not_listening",
-                    "reason": result.last_error,
-                    "fields": {"attempts": result.attempts, "elapsed_ms": round(result.elapsed * 1000, 1)},
-                },
-            )
-            await self._finish(link, Status.NOT_LISTENING)
-            return "not_listening"
-
-        upstream = result.sock
-        try:
-            await link.write(push_status(Status.OK))
-        except OSError:
-            abort(upstream)
-            abort(sock)
-            return Outcome.RESET_GATEWAY.value
-        meter = self.meter.open(preamble.sandbox_id, ctx["conn_id"], time.monotonic())
-        started = time.monotonic()
-        log.info(
-            "connected",
-            extra={
-                **ctx,
-                "event": "connected",
-                "plane": self.plane.name,
-                "fields": {"attempts": result.attempts, "connect_ms": round(result.elapsed * 1000, 2)},
-            },
-        )
-        try:
-            outcome = await self.plane.run(
-                Handoff(link=link, upstream=upstream, leftover=leftover, meter=meter, close_timeout=s.close_timeout)
-            )
-        finally:
-            self.meter.close(meter)
-        log.info(
-            "closed",
-            extra={
-                **ctx,
-                "event": "closed",
-                "fields": {
-                    "outcome": outcome.value,
-                    "bytes_up": meter.up,
-                    "bytes_down": meter.down,
-                    "seconds": round(time.monotonic() - started, 3),
-                },
-            },
-        )
-        return outcome.value
-
-    async def _read_preamble(self, link: TlsLink) -> tuple[Preamble, bytes]:
-        s = self.settings
-        buf = b""
-        try:
-            async with asyncio.timeout(s.preamble_timeout):
-                while True:
-                    record = await link.read_app_record()
-                    if not record:
-                        raise PreambleError("eof", f"after {len(buf)} bytes")
-                    buf += record
-                    parsed = pull_preamble(buf, max_len=s.preamble_max_bytes)
-                    if parsed is not None:
-                        preamble, used = parsed
-                        return preamble, buf[used:]
-        except TimeoutError:
-            raise PreambleError("timeout", f"{len(buf)} bytes in {s.preamble_timeout}s") from None
-        except ssl.SSLError as e:
-            raise RemoteProtocolError("tls_error", e.reason or "") from None
-        except OSError as e:
-            raise RemoteProtocolError("reset", e.strerror or "") from None
-
-    async def _finish(self, link: TlsLink, status: Status) -> None:
-        """Tell the gateway why, then close (best effort: the peer may already be gone)."""
-        try:
-            async with asyncio.timeout(1.0):
-                await link.write(push_status(status))
-                with contextlib.suppress(ssl.SSLError):
-                    link.ssl.unwrap()
-                await asyncio.get_running_loop().sock_sendall(link.sock, link.outgoing.read())
-        except (OSError, TimeoutError, ssl.SSLError):
-            pass
-        link.sock.close()

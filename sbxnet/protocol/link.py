@@ -20,6 +20,7 @@ reason token; misuse by the caller (answering twice, sending before OK) is ``Loc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 from sbxnet.errors import LocalProtocolError
 from sbxnet.protocol.codes import Status
@@ -79,11 +80,11 @@ class ForwarderSequence:
         self._buf.clear()
         return self._opened
 
-    def receive_eof(self) -> None:
+    def receive_eof(self) -> NoReturn:
         """The gateway ended the stream (or the link broke) before the preamble was whole."""
         raise PreambleError("eof", f"after {len(self._buf)} bytes")
 
-    def expire(self) -> None:
+    def expire(self) -> NoReturn:
         """The adapter's wait for more bytes ran past ``deadline``."""
         raise PreambleError("timeout", f"{len(self._buf)} bytes in {self.timeout}s")
 
@@ -150,8 +151,8 @@ class GatewaySequence:
         self._buf.clear()
         return self._answer
 
-    def receive_eof(self) -> None:
+    def receive_eof(self) -> NoReturn:
         raise StatusError("eof", f"after {len(self._buf)} status bytes")
 
-    def expire(self) -> None:
+    def expire(self) -> NoReturn:
         raise StatusError("timeout", f"no status in {self.timeout}s")

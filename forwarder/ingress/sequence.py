@@ -1,0 +1,289 @@
+"""The forwarder's steps for one connection, from accept to the data plane.
+
+TLS handshake within ``handshake_timeout``; the peer's SAN against the allowlist; the preamble within
+``preamble_timeout`` and ``preamble_max_bytes`` (``sbxnet.protocol.link.ForwarderSequence``); the
+target guard; connect with cold-start retry; one OK status; then the data plane. Nothing reaches a
+sandbox before the peer is authenticated and the preamble is whole and allowed.
+
+Each step either returns what the next one needs or raises ``Refusal``, which carries everything the
+one handler (``ConnectionSequence._refuse``) does with it: the outcome counted in
+``sbxnet_forwarder_connections``, the reason counted in the step's own counter and logged, and how the
+gateway hears of it (a status record, a plain close, or a reset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from forwarder.ingress.connect import connect_with_retry
+from forwarder.ingress.metering import Meter
+from forwarder.ingress.metrics import ForwarderMetrics
+from forwarder.ingress.planes.interface import DataPlane, Handoff, Outcome, abort
+from forwarder.ingress.san_acl import SanAllowlist, peer_sans
+from forwarder.ingress.settings import ForwarderSettings
+from forwarder.ingress.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
+from forwarder.ingress.tls_context import handshake_failure_reason
+from forwarder.ingress.tls_link import TlsLink
+from sbxnet.errors import RemoteProtocolError
+from sbxnet.protocol.link import ForwarderSequence, Opened
+from sbxnet.protocol.preamble import PreambleError
+from sbxnet.protocol.status import Status, push_status
+
+log = logging.getLogger("sbxnet.forwarder")
+
+Counted = Literal["handshake", "preamble", "target"]
+
+
+@dataclass
+class Refusal(Exception):
+    """A step refused the connection. ``status`` None means the gateway gets no status record: the
+    socket is closed plainly, or reset when ``reset`` is set (the link itself is broken)."""
+
+    outcome: Outcome
+    reason: str
+    message: str
+    event: str
+    status: Status | None = None
+    counted: Counted | None = None
+    reset: bool = False
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Connected:
+    sock: socket.socket  # to the sandbox, non-blocking; ours to close
+    attempts: int
+    elapsed: float
+
+
+class ConnectionSequence:
+    """The per-connection steps; one instance per server, ``run`` once per accepted socket."""
+
+    def __init__(self, settings: ForwarderSettings, metrics: ForwarderMetrics, plane: DataPlane, meter: Meter) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.plane = plane
+        self.meter = meter
+        self.acl = SanAllowlist(tuple(settings.client_san_allow))
+
+    async def run(
+        self, sock: socket.socket, ctx: dict[str, str], tls: ssl.SSLContext, policy: TargetPolicy
+    ) -> Outcome:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.plane.on_accept(sock)  # the ktls plane attaches the TLS ULP while the socket is ESTABLISHED
+        link = TlsLink(sock, tls)
+        try:
+            await self._handshake(link)
+            ctx["client"] = self._authorize(link)
+            opened = await self._read_preamble(link)
+            self._note_preamble(opened, ctx)
+            self._judge(opened, policy)
+            upstream = await self._connect(opened)
+        except Refusal as r:
+            await self._refuse(link, r, ctx)
+            return r.outcome
+        try:
+            await link.write(push_status(Status.OK))
+        except OSError:
+            abort(upstream.sock)
+            abort(sock)
+            return Outcome.RESET_GATEWAY
+        return await self._hand_over(link, upstream, opened, ctx)
+
+    # -- the steps ---------------------------------------------------------------------------------
+
+    async def _handshake(self, link: TlsLink) -> None:
+        try:
+            async with asyncio.timeout(self.settings.handshake_timeout):
+                await link.handshake()
+        except (ssl.SSLError, OSError, TimeoutError, RemoteProtocolError) as e:
+            raise Refusal(
+                Outcome.HANDSHAKE_REFUSED,
+                handshake_failure_reason(e),
+                "handshake refused",
+                "handshake_refused",
+                counted="handshake",
+            ) from None
+
+    def _authorize(self, link: TlsLink) -> str:
+        sans = peer_sans(link.peercert())
+        who = self.acl.first_match(sans)
+        if who is None:
+            raise Refusal(
+                Outcome.HANDSHAKE_REFUSED,
+                "san_not_allowed",
+                "peer not on the allowlist",
+                "handshake_refused",
+                status=Status.FORBIDDEN,
+                counted="handshake",
+                fields={"peer_sans": sans[:8]},
+            )
+        return who
+
+    async def _read_preamble(self, link: TlsLink) -> Opened:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        seq = ForwarderSequence(now=loop.time(), timeout=s.preamble_timeout, max_len=s.preamble_max_bytes)
+        try:
+            try:
+                async with asyncio.timeout_at(seq.deadline):
+                    while True:
+                        record = await link.read_app_record()
+                        if not record:
+                            seq.receive_eof()
+                        opened = seq.receive_data(record, loop.time())
+                        if opened is not None:
+                            return opened
+            except TimeoutError:
+                seq.expire()
+            except ssl.SSLError as e:
+                raise RemoteProtocolError("tls_error", e.reason or "") from None
+            except OSError as e:
+                raise RemoteProtocolError("reset", e.strerror or "") from None
+        except PreambleError as e:
+            raise self._preamble_refusal(e, status=e.status_hint) from None
+        except RemoteProtocolError as e:  # eof, reset or an undecryptable record before the preamble
+            raise self._preamble_refusal(e, status=None) from None
+
+    @staticmethod
+    def _preamble_refusal(e: RemoteProtocolError, *, status: Status | None) -> Refusal:
+        return Refusal(
+            Outcome.BAD_PREAMBLE,
+            e.reason,
+            "preamble refused",
+            "preamble_refused",
+            status=status,
+            counted="preamble",
+            reset=status is None,
+        )
+
+    @staticmethod
+    def _note_preamble(opened: Opened, ctx: dict[str, str]) -> None:
+        p = opened.preamble
+        ctx["sandbox_id"] = p.sandbox_id
+        if p.connection_id:
+            # The gateway's UNIQUE_ID, so its logs and ours join on one key. Printable ASCII is logged
+            # as is; anything else as hex, never raw peer bytes.
+            cid = p.connection_id
+            ctx["gateway_conn_id"] = cid.decode() if cid.isascii() and cid.decode().isprintable() else cid.hex()
+        ctx["target"] = f"{p.dst}:{p.dst_port}"
+
+    @staticmethod
+    def _judge(opened: Opened, policy: TargetPolicy) -> None:
+        p = opened.preamble
+        try:
+            judge_target(p.dst, p.dst_port, policy)
+        except TargetRefused as e:
+            raise Refusal(
+                Outcome.FORBIDDEN,
+                e.reason,
+                "target refused",
+                "target_refused",
+                status=e.status_hint,
+                counted="target",
+            ) from None
+
+    async def _connect(self, opened: Opened) -> Connected:
+        s = self.settings
+        p = opened.preamble
+        result = await connect_with_retry(
+            canonical(p.dst),
+            p.dst_port,  # connect to exactly what was judged
+            deadline_s=s.connect_deadline,
+            syn_interval=s.connect_syn_interval,
+            backoff_initial=s.connect_backoff_initial,
+            backoff_cap=s.connect_backoff_cap,
+        )
+        self.metrics.connect_attempts.inc(result.attempts)
+        self.metrics.connect_latency.labels("ok" if result.sock else "failed").observe(result.elapsed)
+        if result.sock is None:
+            raise Refusal(
+                Outcome.NOT_LISTENING,
+                result.last_error,
+                "sandbox not listening",
+                "not_listening",
+                status=Status.NOT_LISTENING,
+                fields={"attempts": result.attempts, "elapsed_ms": round(result.elapsed * 1000, 1)},
+            )
+        return Connected(result.sock, result.attempts, result.elapsed)
+
+    async def _hand_over(self, link: TlsLink, upstream: Connected, opened: Opened, ctx: dict[str, str]) -> Outcome:
+        s = self.settings
+        meter = self.meter.open(opened.preamble.sandbox_id, ctx["conn_id"], time.monotonic())
+        started = time.monotonic()
+        log.info(
+            "connected",
+            extra={
+                **ctx,
+                "event": "connected",
+                "plane": self.plane.name,
+                "fields": {"attempts": upstream.attempts, "connect_ms": round(upstream.elapsed * 1000, 2)},
+            },
+        )
+        try:
+            outcome = await self.plane.run(
+                Handoff(
+                    link=link,
+                    upstream=upstream.sock,
+                    leftover=opened.leftover,
+                    meter=meter,
+                    close_timeout=s.close_timeout,
+                )
+            )
+        finally:
+            self.meter.close(meter)
+        log.info(
+            "closed",
+            extra={
+                **ctx,
+                "event": "closed",
+                "fields": {
+                    "outcome": outcome.value,
+                    "bytes_up": meter.up,
+                    "bytes_down": meter.down,
+                    "seconds": round(time.monotonic() - started, 3),
+                },
+            },
+        )
+        return outcome
+
+    # -- the one place a refusal is handled ----------------------------------------------------------
+
+    async def _refuse(self, link: TlsLink, r: Refusal, ctx: dict[str, str]) -> None:
+        if r.counted == "handshake":
+            self.metrics.handshake_rejects.labels(r.reason).inc()
+        elif r.counted == "preamble":
+            self.metrics.preamble_rejects.labels(r.reason).inc()
+        elif r.counted == "target":
+            self.metrics.target_rejects.labels(r.reason).inc()
+        extra: dict[str, Any] = {**ctx, "event": r.event, "reason": r.reason}
+        if r.fields:
+            extra["fields"] = r.fields
+        log.warning(r.message, extra=extra)
+        if r.status is not None:
+            await self._finish(link, r.status)
+        elif r.reset:
+            abort(link.sock)
+        else:
+            link.sock.close()
+
+    @staticmethod
+    async def _finish(link: TlsLink, status: Status) -> None:
+        """Tell the gateway why, then close (best effort: the peer may already be gone)."""
+        try:
+            async with asyncio.timeout(1.0):
+                await link.write(push_status(status))
+                with contextlib.suppress(ssl.SSLError):
+                    link.ssl.unwrap()
+                await asyncio.get_running_loop().sock_sendall(link.sock, link.outgoing.read())
+        except (OSError, TimeoutError, ssl.SSLError):
+            pass
+        link.sock.close()
