@@ -22,7 +22,7 @@ ffibuilder.set_source(
     '#include "tls_keys.h"',
     sources=[rel("tls_keys.c")],
     include_dirs=[rel(".")],
-    depends=[rel("tls_keys.h")],
+    depends=[rel("tls_keys.h"), rel("tls_keys_internal.h")],
     libraries=["ssl", "crypto"],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror"],
 )

@@ -8,9 +8,13 @@
  * TLS 1.3 record OpenSSL encrypts or decrypts; counting those after the handshake finished gives the
  * record sequence numbers the kernel must continue from. tk_install() derives key and IV with
  * HKDF-Expand-Label, attaches the "tls" ULP and installs both directions, then wipes the secrets.
- * The ex_data free callback wipes them too, should a connection end before installing. */
+ * The ex_data free callback wipes them too, should a connection end before installing.
+ *
+ * Nothing here hands key material back to the caller: the entry points that read keys back for the
+ * tests (tls_keys_test.c) are built only into the test extension, native._tls_keys_test. */
 #define _GNU_SOURCE
 #include "tls_keys.h"
+#include "tls_keys_internal.h"
 
 #include <errno.h>
 #include <linux/tls.h>
@@ -237,11 +241,6 @@ int tk_expand_label(int sha384, const unsigned char *secret, size_t secret_len, 
     return ok ? 0 : TK_E_OPENSSL;
 }
 
-union crypto_info {
-    struct tls12_crypto_info_aes_gcm_128 g128;
-    struct tls12_crypto_info_aes_gcm_256 g256;
-};
-
 static void put_be64(unsigned char *p, uint64_t v)
 {
     for (int i = 7; i >= 0; i--) {
@@ -252,7 +251,7 @@ static void put_be64(unsigned char *p, uint64_t v)
 
 /* Fills ci for one direction from its traffic secret and next record sequence number; returns size. */
 static int build_info(int suite, const unsigned char *secret, size_t slen, uint64_t seq,
-                      union crypto_info *ci)
+                      union tk_crypto_info *ci)
 {
     unsigned char key[32], iv[12];
     int big = suite == SUITE_AES_256_GCM_SHA384;
@@ -284,9 +283,8 @@ static int build_info(int suite, const unsigned char *secret, size_t slen, uint6
     return rc == 0 ? size : rc;
 }
 
-/* Every precondition for handing this session to the kernel; on success fills the two directions. */
-static int check_and_build(SSL *ssl, int64_t expect_tx, int64_t expect_rx, union crypto_info *tx,
-                           int *tx_size, union crypto_info *rx, int *rx_size)
+int tk_check_and_build(SSL *ssl, int64_t expect_tx, int64_t expect_rx, union tk_crypto_info *tx,
+                       int *tx_size, union tk_crypto_info *rx, int *rx_size)
 {
     struct tk_conn *c = conn_of(ssl, 0);
     if (!c || !ctx_prepared(SSL_get_SSL_CTX(ssl)))
@@ -332,12 +330,22 @@ static void wipe_secrets(SSL *ssl)
     c->installed = 1;
 }
 
+int tk_done_with_keys(SSL *ssl, union tk_crypto_info *tx, union tk_crypto_info *rx, int rc)
+{
+    OPENSSL_cleanse(tx, sizeof *tx);
+    OPENSSL_cleanse(rx, sizeof *rx);
+    /* Success or not, this session's secrets are done with: a failed install closes the connection. */
+    if (rc != TK_E_NOT_PREPARED)
+        wipe_secrets(ssl);
+    return rc;
+}
+
 int tk_install(SSL *ssl, int fd, int64_t expect_tx, int64_t expect_rx, int *sys_errno)
 {
-    union crypto_info tx, rx;
+    union tk_crypto_info tx, rx;
     int tx_size = 0, rx_size = 0;
     *sys_errno = 0;
-    int rc = check_and_build(ssl, expect_tx, expect_rx, &tx, &tx_size, &rx, &rx_size);
+    int rc = tk_check_and_build(ssl, expect_tx, expect_rx, &tx, &tx_size, &rx, &rx_size);
     if (rc == 0) {
         /* The ULP may already be attached (tk_attach_ulp at accept): TCP_ULP refuses a socket that
          * is no longer ESTABLISHED, e.g. once a fast gateway has sent its data and FIN. */
@@ -355,32 +363,7 @@ int tk_install(SSL *ssl, int fd, int64_t expect_tx, int64_t expect_rx, int *sys_
             rc = TK_E_RX;
         }
     }
-    OPENSSL_cleanse(&tx, sizeof tx);
-    OPENSSL_cleanse(&rx, sizeof rx);
-    /* Success or not, this session's secrets are done with: a failed install closes the connection. */
-    if (rc != TK_E_NOT_PREPARED)
-        wipe_secrets(ssl);
-    return rc;
-}
-
-int tk_export_for_test(SSL *ssl, int64_t expect_tx, int64_t expect_rx, unsigned char *tx_out,
-                       unsigned char *rx_out, int out_len)
-{
-    union crypto_info tx, rx;
-    int tx_size = 0, rx_size = 0;
-    int rc = check_and_build(ssl, expect_tx, expect_rx, &tx, &tx_size, &rx, &rx_size);
-    if (rc == 0 && (out_len < tx_size || out_len < rx_size))
-        rc = TK_E_ARG;
-    if (rc == 0) {
-        memcpy(tx_out, &tx, (size_t)tx_size);
-        memcpy(rx_out, &rx, (size_t)rx_size);
-        rc = tx_size;
-    }
-    OPENSSL_cleanse(&tx, sizeof tx);
-    OPENSSL_cleanse(&rx, sizeof rx);
-    if (rc != TK_E_NOT_PREPARED)
-        wipe_secrets(ssl);
-    return rc;
+    return tk_done_with_keys(ssl, &tx, &rx, rc);
 }
 
 int tk_attach_ulp(int fd, int *sys_errno)
@@ -391,15 +374,4 @@ int tk_attach_ulp(int fd, int *sys_errno)
         return TK_E_ULP;
     }
     return 0;
-}
-
-int tk_set_ciphersuites(SSL_CTX *ctx, const char *suites)
-{
-    return SSL_CTX_set_ciphersuites(ctx, suites) == 1 ? 0 : TK_E_OPENSSL;
-}
-
-int tk_key_update(SSL *ssl, int request_peer)
-{
-    int type = request_peer ? SSL_KEY_UPDATE_REQUESTED : SSL_KEY_UPDATE_NOT_REQUESTED;
-    return SSL_key_update(ssl, type) == 1 ? 0 : TK_E_OPENSSL;
 }

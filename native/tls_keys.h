@@ -56,11 +56,7 @@ int tk_expand_label(int sha384, const unsigned char *secret, size_t secret_len, 
 /* Installs both directions on fd, each record count checked against expect_* when >= 0; wipes the
  * secrets whatever the result (but TK_E_NOT_PREPARED, where there were none). 0 or a TK_E_*. */
 int tk_install(SSL *ssl, int fd, int64_t expect_tx, int64_t expect_rx, int *sys_errno);
-int tk_export_for_test(SSL *ssl, int64_t expect_tx, int64_t expect_rx, unsigned char *tx_out,
-                       unsigned char *rx_out, int out_len);
 /* Attaches the "tls" ULP (no keys yet: the socket still behaves as TCP). 0 or TK_E_ULP. */
 int tk_attach_ulp(int fd, int *sys_errno);
-int tk_set_ciphersuites(SSL_CTX *ctx, const char *suites);
-int tk_key_update(SSL *ssl, int request_peer);
 
 #endif

@@ -132,6 +132,8 @@ def probe() -> ProbeResult:
 
 
 def _lib() -> tuple[Any, Any]:
+    """The binding. Tests that read keys back swap in ``native._tls_keys_test`` (the same C with the
+    test entry points), which only they load: see tests/ingress/planes/ktls_test_hooks.py."""
     from native._tls_keys import ffi, lib  # type: ignore[import-not-found,unused-ignore]
 
     return ffi, lib
@@ -302,28 +304,3 @@ def expand_label(sha384: bool, secret: bytes, label: str, length: int) -> bytes:
     if lib.tk_expand_label(1 if sha384 else 0, secret, len(secret), label.encode(), out, length):
         raise KtlsError("bad_argument", "expand_label")
     return bytes(ffi.buffer(out, length))
-
-
-def export_keys_for_test(obj: ssl.SSLObject, *, expect_tx: int = -1, expect_rx: int = -1) -> tuple[bytes, bytes]:
-    """TESTS ONLY: the two crypto_info structs tk_install would hand the kernel (holds key material)."""
-    ffi, lib = _lib()
-    tx = ffi.new("unsigned char[]", 64)
-    rx = ffi.new("unsigned char[]", 64)
-    rc = int(lib.tk_export_for_test(_ssl_ptr(obj), expect_tx, expect_rx, tx, rx, 64))
-    if rc < 0:
-        raise KtlsError(_TK_ERRORS.get(rc, "openssl_error"), "export")
-    return bytes(ffi.buffer(tx, rc)), bytes(ffi.buffer(rx, rc))
-
-
-def set_ciphersuites_for_test(ctx: ssl.SSLContext, suites: str) -> None:
-    """TESTS ONLY: restrict a context's TLS 1.3 suites (Python's ssl cannot)."""
-    _, lib = _lib()
-    if int(lib.tk_set_ciphersuites(_ctx_ptr(ctx), suites.encode())):
-        raise KtlsError("openssl_error", "SSL_CTX_set_ciphersuites")
-
-
-def key_update_for_test(obj: ssl.SSLObject, *, request_peer: bool = False) -> None:
-    """TESTS ONLY (a gateway that sends KeyUpdate): queue a KeyUpdate; the next do_handshake sends it."""
-    _, lib = _lib()
-    if int(lib.tk_key_update(_ssl_ptr(obj), 1 if request_peer else 0)):
-        raise KtlsError("openssl_error", "SSL_key_update")

@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "forwarder"))
 from fwd_support import ForwarderThread, GwClient, Pki, SandboxApp, make_pki, payload, preamble_for
+from ktls_test_hooks import key_update_for_test
 
 from forwarder.ingress.planes import ktls_keys as ktls
 from forwarder.ingress.settings import ForwarderSettings
@@ -284,7 +285,7 @@ def test_key_update_from_gateway_closes_cleanly(fwd: ForwarderThread, kpki: Pki)
     client.open(preamble_for(app.port))
     client.send(b"before")
     time.sleep(0.2)
-    ktls.key_update_for_test(client.tls)
+    key_update_for_test(client.tls)
     client.tls.do_handshake()  # sends the KeyUpdate record
     client._flush()
     assert client.recv_all() == b""  # close_notify, then FIN: an orderly close

@@ -1,8 +1,10 @@
 """Key capture, HKDF-Expand-Label and record accounting, checked without kernel TLS.
 
-The keys the C module would hand the kernel are exported (test-only entry point) and used with an
-independent AES-GCM implementation to decrypt what OpenSSL sends next and to seal records OpenSSL
-must accept: that proves secret capture, key derivation and the sequence numbers on any kernel.
+The keys the C module would hand the kernel are exported (a test-only entry point, in the test build
+``native._tls_keys_test`` only) and used with an independent AES-GCM implementation to decrypt what
+OpenSSL sends next and to seal records OpenSSL must accept: that proves secret capture, key derivation
+and the sequence numbers on any kernel. Every test here runs ``ktls_keys`` over that build, the
+product's C compiled with the test entry points (see ``ktls_test_hooks``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,17 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ktls_test_hooks import export_keys_for_test, key_update_for_test, set_ciphersuites_for_test, use_test_build
 from tls_support import CryptoInfo, MemPair, handshake
 
 from forwarder.ingress.planes import ktls_keys as ktls
 
 Ctx = Callable[[], ssl.SSLContext]
+
+
+@pytest.fixture(autouse=True)
+def _test_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_test_build(monkeypatch)
 
 
 def ref_expand_label(sha384: bool, secret: bytes, label: str, length: int) -> bytes:
@@ -67,7 +75,7 @@ def prepared_pair(server_ctx: Ctx, client_ctx: Ctx, client_suites: str | None = 
     ktls.prepare_context(sctx)
     cctx = client_ctx()
     if client_suites:
-        ktls.set_ciphersuites_for_test(cctx, client_suites)
+        set_ciphersuites_for_test(cctx, client_suites)
     return handshake(sctx, cctx)
 
 
@@ -94,7 +102,7 @@ def test_exported_keys_continue_the_session(
     info = ktls.session_info(p.srv)
     assert (info.suite, info.is_server) == (suite, True)
     assert (info.rx_records, info.tx_records) == (preamble_records, 1)
-    raw_tx, raw_rx = ktls.export_keys_for_test(p.srv, expect_tx=1, expect_rx=preamble_records)
+    raw_tx, raw_rx = export_keys_for_test(p.srv, expect_tx=1, expect_rx=preamble_records)
     tx, rx = CryptoInfo.parse(raw_tx), CryptoInfo.parse(raw_rx)
     assert (tx.version, tx.cipher_type, tx.rec_seq) == (0x0304, cipher_type, 1)
     assert (rx.version, rx.cipher_type, rx.rec_seq) == (0x0304, cipher_type, preamble_records)
@@ -112,7 +120,7 @@ def test_exported_keys_continue_the_session(
     # The secrets are gone: nothing can be exported or installed twice.
     assert ktls.session_info(p.srv).installed
     with pytest.raises(ktls.KtlsError) as e:
-        ktls.export_keys_for_test(p.srv)
+        export_keys_for_test(p.srv)
     assert e.value.reason == "bad_state"
 
 
@@ -122,7 +130,7 @@ def test_preamble_and_tenant_bytes_in_one_record(server_ctx: Ctx, client_ctx: Ct
     p.to_server()
     assert p.srv.read(16384) == b"PREAMBLE|tenant-bytes"
     p.srv.write(b"\x00")
-    _tx, rx = map(CryptoInfo.parse, ktls.export_keys_for_test(p.srv, expect_tx=1, expect_rx=1))
+    _tx, rx = map(CryptoInfo.parse, export_keys_for_test(p.srv, expect_tx=1, expect_rx=1))
     p.cli.write(b"more")
     assert rx.open(1, p.c_out.read()) == (23, b"more")
 
@@ -133,7 +141,7 @@ def test_refuses_bytes_left_in_openssl(server_ctx: Ctx, client_ctx: Ctx) -> None
     p.to_server()
     assert p.srv.read(10) == b"x" * 10  # 90 bytes stay decrypted inside OpenSSL
     with pytest.raises(ktls.KtlsError) as e:
-        ktls.export_keys_for_test(p.srv)
+        export_keys_for_test(p.srv)
     assert e.value.reason == "buffered_in_openssl"
 
 
@@ -152,27 +160,27 @@ def test_refuses_a_record_count_that_disagrees(server_ctx: Ctx, client_ctx: Ctx)
     p = prepared_pair(server_ctx, client_ctx)
     preamble_and_status(p, 2)
     with pytest.raises(ktls.KtlsError) as e:
-        ktls.export_keys_for_test(p.srv, expect_tx=1, expect_rx=1)
+        export_keys_for_test(p.srv, expect_tx=1, expect_rx=1)
     assert e.value.reason == "record_count_mismatch"
 
 
 def test_refuses_after_a_key_update(server_ctx: Ctx, client_ctx: Ctx) -> None:
     p = prepared_pair(server_ctx, client_ctx)
-    ktls.key_update_for_test(p.cli)
+    key_update_for_test(p.cli)
     p.cli.do_handshake()  # sends the KeyUpdate
     p.to_server()
     with pytest.raises(ssl.SSLWantReadError):
         p.srv.read(100)
     assert ktls.session_info(p.srv).rx_other == 1
     with pytest.raises(ktls.KtlsError) as e:
-        ktls.export_keys_for_test(p.srv)
+        export_keys_for_test(p.srv)
     assert e.value.reason == "record_count_mismatch"
 
 
 def test_unprepared_context_refused(server_ctx: Ctx, client_ctx: Ctx) -> None:
     p = handshake(server_ctx(), client_ctx())
     with pytest.raises(ktls.KtlsError) as e:
-        ktls.export_keys_for_test(p.srv)
+        export_keys_for_test(p.srv)
     assert e.value.reason == "not_prepared"
 
 
@@ -180,7 +188,7 @@ def test_prepared_context_offers_aes_gcm_only(server_ctx: Ctx, client_ctx: Ctx) 
     sctx = server_ctx()
     ktls.prepare_context(sctx)
     cctx = client_ctx()
-    ktls.set_ciphersuites_for_test(cctx, "TLS_CHACHA20_POLY1305_SHA256")
+    set_ciphersuites_for_test(cctx, "TLS_CHACHA20_POLY1305_SHA256")
     with pytest.raises(ssl.SSLError):
         handshake(sctx, cctx)
 
