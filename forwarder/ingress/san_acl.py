@@ -55,12 +55,19 @@ class SanAllowlist:
 
 
 def peer_sans(peercert: dict[str, object] | None) -> list[str]:
-    """URI and DNS SANs from ``ssl``'s decoded peer certificate (other SAN types are ignored)."""
+    """URI and DNS SANs from ``ssl``'s decoded peer certificate (other SAN types are ignored).
+
+    Patterns tell a URI from a DNS name by its spelling (``scheme://``), so a SAN whose spelling
+    contradicts its type is dropped rather than judged as the other type: a DNS SAN containing ``/`` or
+    ``:`` (no host name does; it would be read as a URI, or let ``*`` take in a ``/``), and a URI SAN
+    without ``://`` (it would be read as a DNS name). A CA that checks URI SANs strictly may still
+    issue DNS SANs freely."""
     if not peercert:
         return []
     out = []
     entries = peercert.get("subjectAltName", ())
     for kind, value in entries if isinstance(entries, tuple | list) else ():
-        if kind in ("URI", "DNS"):
-            out.append(str(value))
+        name = str(value)
+        if (kind == "URI" and "://" in name) or (kind == "DNS" and "/" not in name and ":" not in name):
+            out.append(name)
     return out

@@ -97,6 +97,12 @@ CASES: list[tuple[str, dict[str, tuple[str, ...]], bool]] = [
     ("spiffe://sbxnet.test/*", {"uris": ("spiffe://sbxnet.test",)}, False),
     ("spiffe://sbxnet.test/*/gw", {"uris": ("spiffe://sbxnet.test//gw",)}, False),
     ("spiffe://sbxnet.test/*/gw", {"uris": ("spiffe://sbxnet.test/ns/gw",)}, True),
+    # A SAN is judged as its own type: a DNS SAN spelled like a URI, or a URI SAN spelled like a
+    # host name, matches nothing (a CA that checks URI SANs strictly may issue DNS SANs freely)
+    (GATEWAY, {"dns": (GATEWAY,)}, False),
+    ("spiffe://sbxnet.test/*", {"dns": ("spiffe://sbxnet.test/gateway",)}, False),
+    ("gw1.edge.example", {"uris": ("gw1.edge.example",)}, False),
+    ("*.example", {"dns": ("a/b.example",)}, False),  # not a host name: '*' must not take in a '/'
 ]
 
 
