@@ -11,9 +11,9 @@ import asyncio
 import logging
 import os
 import signal
-import ssl
 import sys
 
+from certs import loader
 from forwarder.ingress.settings import ForwarderSettings
 from sbxnet import jsonlog
 
@@ -35,7 +35,7 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
         from forwarder.ingress.tls_context import server_context
 
         server_context(settings)
-    except (OSError, ssl.SSLError, ValueError) as e:
+    except loader.LOAD_ERRORS as e:
         print(f"forwarder: cannot load the TLS material ({e}); check cert_file, key_file and ca_file", file=sys.stderr)
         return 2
     if check_only:

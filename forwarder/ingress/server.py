@@ -12,8 +12,8 @@ import errno
 import logging
 import secrets
 import socket
-import ssl
 
+from certs.loader import Reloadable
 from forwarder.ingress.host_addrs import IPAddress, host_addresses
 from forwarder.ingress.metering import Meter
 from forwarder.ingress.metrics import ForwarderMetrics
@@ -83,7 +83,7 @@ class ForwarderServer:
         self.settings = settings
         self.metrics = metrics or ForwarderMetrics()
         self.plane = plane or make_plane(settings, self.metrics)
-        self.ctx = server_context(settings)
+        self.tls = Reloadable(lambda: server_context(settings))
         self.policy = self._policy(frozenset())
         self.meter = Meter()
         self.sequence = ConnectionSequence(settings, self.metrics, self.plane, self.meter)
@@ -138,16 +138,14 @@ class ForwarderServer:
     def reload(self) -> bool:
         """Swap in freshly loaded certificates; keep the old ones if loading fails. Live connections
         keep the context they were accepted with."""
-        try:
-            ctx = server_context(self.settings)
-        except (OSError, ssl.SSLError, ValueError) as e:
+        e = self.tls.reload()
+        if e is not None:
             self.metrics.reloads.labels("failed").inc()
             log.error(
                 "certificate reload failed; keeping the current certificates",
                 extra={"event": "reload_failed", "reason": type(e).__name__, "fields": {"error": str(e)}},
             )
             return False
-        self.ctx = ctx
         self.metrics.reloads.labels("ok").inc()
         log.info("certificates reloaded", extra={"event": "reloaded"})
         return True
@@ -234,7 +232,7 @@ class ForwarderServer:
         ctx = {"conn_id": conn_id, "peer": peer}
         self.metrics.open_connections.inc()
         try:
-            outcome = await self.sequence.run(sock, ctx, self.ctx, self.policy)
+            outcome = await self.sequence.run(sock, ctx, self.tls.current, self.policy)
             self.metrics.connections.labels(outcome.value).inc()
         except asyncio.CancelledError:
             self.metrics.connections.labels(Outcome.DRAINED.value).inc()

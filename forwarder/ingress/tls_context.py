@@ -1,32 +1,30 @@
-"""TLS for the gateway link: the server context and the naming of handshake failures.
+"""TLS for the gateway link on the forwarder: its server context and the naming of handshake failures.
 
-The link is TLS 1.3 only, mutual, with no session tickets (the record sequence numbers must start at
-zero when the kernel takes over, and resumption would add nothing on a long-lived hop).
+The profile (TLS 1.3 only, mutual, no session tickets) is ``certs.loader``'s, shared with the gateway;
+this module adds what only the forwarder needs: the kTLS plane's preparation, and countable tokens
+for why a handshake failed.
 """
 
 from __future__ import annotations
 
 import ssl
 
+from certs import loader
 from forwarder.ingress.settings import ForwarderSettings
 from sbxnet.errors import SbxnetError
 
 
 def server_context(settings: ForwarderSettings) -> ssl.SSLContext:
-    """A fresh server context from the files named in ``settings``; raises on unreadable material."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.maximum_version = ssl.TLSVersion.TLSv1_3
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.load_verify_locations(cafile=str(settings.ca_file))
-    ctx.load_cert_chain(certfile=str(settings.cert_file), keyfile=str(settings.key_file))
-    ctx.num_tickets = 0
-    ctx.options |= ssl.OP_NO_TICKET
+    """A fresh server context from the files named in ``settings`` (``certs.loader``'s link profile);
+    raises ``certs.loader.LOAD_ERRORS`` on unreadable material."""
+    prepare = None
     if settings.data_plane == "ktls":
         from forwarder.ingress.planes.ktls_keys import prepare_context
 
-        prepare_context(ctx)  # AES-GCM suites only; secrets captured in memory for the kernel
-    return ctx
+        prepare = prepare_context  # AES-GCM suites only; secrets captured in memory for the kernel
+    return loader.server_context(
+        cert_file=settings.cert_file, key_file=settings.key_file, ca_file=settings.ca_file, prepare=prepare
+    )
 
 
 # X509_V_ERR_* codes from OpenSSL's x509_vfy.h that we name separately.
