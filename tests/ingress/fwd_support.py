@@ -203,8 +203,12 @@ class ForwarderThread:
         return float(value or 0.0)
 
     def wait_idle(self, timeout: float = 10) -> None:
+        """Wait until the forwarder serves no connection; AssertionError if it still does after ``timeout``."""
         deadline = time.monotonic() + timeout
-        while self.server.open_connections and time.monotonic() < deadline:
+        while self.server.open_connections:
+            if time.monotonic() >= deadline:
+                n = self.server.open_connections
+                raise AssertionError(f"forwarder still serving {n} connection(s) after {timeout}s")
             time.sleep(0.01)
 
     def stop(self) -> None:
