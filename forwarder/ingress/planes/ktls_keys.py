@@ -24,9 +24,13 @@ import ssl
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sbxnet.errors import SbxnetError
+
+if TYPE_CHECKING:
+    from native._cffi_types import FFI
+    from native._tls_keys import Lib
 
 SOL_TLS = 282
 TLS_TX = 1
@@ -131,10 +135,10 @@ def probe() -> ProbeResult:
 # -- OpenSSL objects --------------------------------------------------------------------------------
 
 
-def _lib() -> tuple[Any, Any]:
+def _lib() -> tuple[FFI, Lib]:
     """The binding. Tests that read keys back swap in ``native._tls_keys_test`` (the same C with the
     test entry points), which only they load: see tests/ingress/planes/ktls_test_hooks.py."""
-    from native._tls_keys import ffi, lib  # type: ignore[import-not-found,unused-ignore]
+    from native._tls_keys import ffi, lib
 
     return ffi, lib
 

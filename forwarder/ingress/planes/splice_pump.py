@@ -12,7 +12,11 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from native._cffi_types import FFI
+    from native._splice import Lib
 
 # Capacity of each direction's pipe. A kernel-TLS read must find room for a whole record (see the C
 # file), and a larger pipe means fewer calls per byte on plain TCP.
@@ -73,8 +77,8 @@ class PumpStats:
     control_records: int
 
 
-def _lib() -> tuple[Any, Any]:
-    from native._splice import ffi, lib  # type: ignore[import-not-found,unused-ignore]
+def _lib() -> tuple[FFI, Lib]:
+    from native._splice import ffi, lib
 
     return ffi, lib
 

@@ -11,17 +11,21 @@ whichever build prepared the context.
 from __future__ import annotations
 
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from forwarder.ingress.planes import ktls_keys as ktls
 from forwarder.ingress.planes.ktls_keys import KtlsError
 
+if TYPE_CHECKING:
+    from native._cffi_types import FFI
+    from native._tls_keys_test import Lib
 
-def binding() -> tuple[Any, Any]:
+
+def binding() -> tuple[FFI, Lib]:
     """The test extension's (ffi, lib): the product's functions plus the test entry points."""
-    from native._tls_keys_test import ffi, lib  # type: ignore[import-not-found,unused-ignore]
+    from native._tls_keys_test import ffi, lib
 
     return ffi, lib
 
