@@ -1,7 +1,9 @@
 """A blocking client of the forwarder link (mutual TLS 1.3, preamble, status record, bytes).
 
-Used by the demo and the tests; the gateway's asyncio upstream builds on the same sequence. It runs
-TLS over memory BIOs so that it can half-close (close_notify, then FIN) and keep reading.
+Used by the demo and the tests; the gateway's asyncio upstream drives the same sans-I/O sequence
+(``sbxnet.protocol.link.GatewaySequence``). It runs TLS over memory BIOs so that it can half-close
+(close_notify, then FIN) and keep reading. Given ``pins``, it refuses a forwarder whose key is not
+pinned (``certs.loader.check_pin``) before sending anything; without, it trusts the CA alone.
 """
 
 from __future__ import annotations
@@ -11,14 +13,29 @@ import selectors
 import socket
 import ssl
 import struct
+import time
+from collections.abc import Collection
 
-from sbxnet.protocol.status import Status, pull_status
+from certs.loader import check_pin
+from sbxnet.protocol.link import GatewaySequence
+from sbxnet.protocol.status import Status
 
 
 class LinkClient:
     """One connection to a forwarder. Not thread-safe."""
 
-    def __init__(self, port: int, ctx: ssl.SSLContext, *, host: str = "127.0.0.1", timeout: float = 30) -> None:
+    def __init__(
+        self,
+        port: int,
+        ctx: ssl.SSLContext,
+        *,
+        host: str = "127.0.0.1",
+        timeout: float = 30,
+        pins: Collection[str] | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self.pins = pins
+        self.seq: GatewaySequence | None = None
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.inc, self.out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = ctx.wrap_bio(self.inc, self.out, server_hostname="localhost")
@@ -42,6 +59,8 @@ class LinkClient:
                     raise ConnectionAbortedError("eof during handshake") from None
                 self.inc.write(data)
         self._flush()
+        if self.pins is not None:
+            check_pin(self.tls, self.pins)
 
     def send(self, data: bytes) -> None:
         self.tls.write(data)
@@ -91,14 +110,29 @@ class LinkClient:
     def open(self, preamble: bytes) -> Status:
         """Handshake, send the preamble, return the forwarder's status."""
         self.handshake()
-        self.send(preamble)
+        self.send_preamble(preamble)
         return self.open_status()
 
+    def send_preamble(self, preamble: bytes) -> None:
+        """Send ``preamble`` as the first application data (as given: tests send broken ones)."""
+        self.seq = GatewaySequence(preamble, now=time.monotonic(), timeout=self.timeout)
+        self.send(self.seq.start())
+
     def open_status(self) -> Status:
-        parsed = pull_status(self.recv_exact(4))
-        if parsed is None:  # cannot happen with four bytes; keeps the type honest
-            raise EOFError("short status record")
-        return parsed[0]
+        """Read the forwarder's status; bytes that followed it stay for ``recv_*``. EOFError if the
+        link ends first."""
+        assert self.seq is not None, "send_preamble first"
+        while True:
+            if self.plain:
+                data = bytes(self.plain)
+                self.plain.clear()
+                answer = self.seq.receive_data(data, time.monotonic())
+                if answer is not None:
+                    self.plain += answer.leftover
+                    return answer.status
+            if self.eof:
+                raise EOFError("eof before the status record")
+            self.fill()
 
     def close_write(self) -> None:
         try:

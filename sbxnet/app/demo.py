@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         c = LinkClient(port, ctx)
         c.handshake()
         timer.start()
-        c.send(preamble("127.0.0.1", late.port, "sbx-cold"))
+        c.send_preamble(preamble("127.0.0.1", late.port, "sbx-cold"))
         status = c.open_status()
         answered = time.monotonic()
         c.send(b"hello\n")
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         c.close()
         c = LinkClient(port, ctx)
         c.handshake()
-        c.send(b"GET / HTTP/1.1\r\nHost: sbx-demo\r\n\r\n")
+        c.send_preamble(b"GET / HTTP/1.1\r\nHost: sbx-demo\r\n\r\n")
         _say(f"HTTP instead of a preamble: status {c.open_status().name}")
         c.close()
 
