@@ -41,6 +41,7 @@ TLS_STAT = Path("/proc/net/tls_stat")
 
 SUITES = {0x1301: "TLS_AES_128_GCM_SHA256", 0x1302: "TLS_AES_256_GCM_SHA384"}
 
+# The TK_E_* codes of native/tls_keys.h, named for metrics (tests/native/test_header_mirrors.py checks them).
 _TK_ERRORS = {
     -1: "bad_argument",
     -2: "openssl_error",

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 DEFAULT_PIPE_SIZE = 1 << 20
 
 
+# Every constant below mirrors native/splice_pump.h (tests/native/test_header_mirrors.py holds them to it).
+
+# sp_add() flag: the gateway fd has kernel TLS TX and RX installed (SP_GW_KTLS).
+GW_KTLS = 0x1
+
+
 class PumpOutcome(enum.IntEnum):
     CLOSED = 0
     RESET_GATEWAY = 1
@@ -49,6 +55,7 @@ REASONS = (
     "internal",
 )
 
+# sp_event.flags: how each side ended (SP_EV_*).
 EV_GW_CLOSE_NOTIFY = 0x1
 EV_GW_FIN = 0x2
 EV_SB_EOF = 0x4
@@ -120,7 +127,7 @@ class SplicePump:
         descriptors with the caller if the pump cannot take them.
         """
         ms = max(1, min(int(close_timeout * 1000), 0xFFFFFFFF))
-        r = self._lib.sp_add(self._live(), gateway_fd, sandbox_fd, 1 if ktls else 0, ms)
+        r = self._lib.sp_add(self._live(), gateway_fd, sandbox_fd, GW_KTLS if ktls else 0, ms)
         if r < 0:
             raise OSError(-r, f"splice pump add: {os.strerror(-r)}")
         return int(r)
