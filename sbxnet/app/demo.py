@@ -16,7 +16,6 @@ import random
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -86,6 +85,7 @@ def _say(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from certs.loader import PinMismatch, client_context
     from certs.mint import mint_ca, mint_leaf, spki_pin, write_issued
     from gateway.link_client import LinkClient
     from sbxnet.protocol.preamble import Preamble, push_preamble
@@ -148,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
                     return 1
                 time.sleep(0.05)
         _say(f"forwarder listening on 127.0.0.1:{port} ({plane} data plane), ops on 127.0.0.1:{mport}")
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.load_verify_locations(cafile=str(work / "ca.crt"))
-        ctx.load_cert_chain(str(work / "gateway.crt"), str(work / "gateway.key"))
+        _say("the gateway-like client presents spiffe://demo.sbxnet/gateway and pins the forwarder's key")
+        ctx = client_context(cert_file=work / "gateway.crt", key_file=work / "gateway.key", ca_file=work / "ca.crt")
+        pins = {spki_pin(fwd_leaf.cert)}  # the gateway identifies the forwarder by its key
 
         def preamble(dst: str, dport: int, sandbox: str) -> bytes:
             return push_preamble(
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         app = SampleApp(download=download)
         app.listen()
         _say(f"\n-- 1. a request to sandbox 'sbx-demo' at 127.0.0.1:{app.port}")
-        c = LinkClient(port, ctx)
+        c = LinkClient(port, ctx, pins=pins)
         status = c.open(preamble("127.0.0.1", app.port, "sbx-demo"))
         c.send(b"hello\n")
         _say(f"status {status.name}; the sandbox answered: {c.recv_all().decode().strip()!r}")
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
         _say(f"\n-- 2. {args.mib} MiB each way, both directions at once")
         upload = random.Random(1).randbytes(n)
-        c = LinkClient(port, ctx)
+        c = LinkClient(port, ctx, pins=pins)
         assert c.open(preamble("127.0.0.1", app.port, "sbx-demo")) is Status.OK
         t0 = time.monotonic()
         got = c.exchange(upload)
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         _say("\n-- 3. cold start: the sandbox's program starts listening 400 ms after the request")
         late = SampleApp()
         timer = threading.Timer(0.4, late.listen)
-        c = LinkClient(port, ctx)
+        c = LinkClient(port, ctx, pins=pins)
         c.handshake()
         timer.start()
         c.send_preamble(preamble("127.0.0.1", late.port, "sbx-cold"))
@@ -215,22 +215,27 @@ def run(args: argparse.Namespace) -> int:
             ("cloud metadata 169.254.169.254:80", "169.254.169.254", 80),
             ("the forwarder host's own loopback 127.0.0.2:22", "127.0.0.2", 22),
         ]:
-            c = LinkClient(port, ctx)
+            c = LinkClient(port, ctx, pins=pins)
             _say(f"target {what}: status {c.open(preamble(dst, dport, 'sbx-demo')).name}")
             c.close()
         dead = _free_port()
-        c = LinkClient(port, ctx)
+        c = LinkClient(port, ctx, pins=pins)
         t0 = time.monotonic()
         st = c.open(preamble("127.0.0.1", dead, "sbx-gone"))
         _say(f"a sandbox that never listens: status {st.name} after {time.monotonic() - t0:.2f} s (connect deadline)")
         c.close()
-        sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        sctx.load_verify_locations(cafile=str(work / "ca.crt"))
-        sctx.load_cert_chain(str(work / "stranger.crt"), str(work / "stranger.key"))
-        c = LinkClient(port, sctx)
+        sctx = client_context(cert_file=work / "stranger.crt", key_file=work / "stranger.key", ca_file=work / "ca.crt")
+        c = LinkClient(port, sctx, pins=pins)
         _say(f"a client certificate off the allowlist: status {c.open(preamble('127.0.0.1', app.port, 'x')).name}")
         c.close()
-        c = LinkClient(port, ctx)
+        c = LinkClient(port, ctx, pins={"0" * 43 + "="})
+        try:
+            c.handshake()
+            _say("a forwarder whose key is not pinned: NOT REFUSED (bug)")
+        except PinMismatch:
+            _say("a forwarder whose key is not the pinned one: the client hangs up before sending a byte")
+        c.close()
+        c = LinkClient(port, ctx, pins=pins)
         c.handshake()
         c.send_preamble(b"GET / HTTP/1.1\r\nHost: sbx-demo\r\n\r\n")
         _say(f"HTTP instead of a preamble: status {c.open_status().name}")

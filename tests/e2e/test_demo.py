@@ -18,5 +18,6 @@ def test_demo_runs_the_real_path_and_reports_it() -> None:
     assert "a sandbox that never listens: status NOT_LISTENING" in out
     assert "a client certificate off the allowlist: status FORBIDDEN" in out
     assert "HTTP instead of a preamble: status BAD_PREAMBLE" in out
+    assert "a forwarder whose key is not the pinned one: the client hangs up before sending a byte" in out
     assert 'sbxnet_forwarder_connections_total{outcome="closed"} 3.0' in out
     assert "drained and exited with 0" in out
