@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fwd_support import GwClient, Pki, SandboxApp, free_port, payload, preamble_for, recv_all
@@ -54,21 +56,62 @@ def config_port(path: Path, key: str = "listen_port") -> int:
 
 
 class Proc:
+    """The forwarder command in its own process group; its stderr (the JSON log lines of the process and
+    of any workers) is read as it comes, so a test can wait for an event while the process runs."""
+
     def __init__(self, config: Path, *args: str) -> None:
         self.config = config
         self.port = config_port(config)
         self.p = subprocess.Popen(
             [*SBXNET, "forwarder", "--config", str(config), *args],
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+
+    def _read_stderr(self) -> None:
+        assert self.p.stderr is not None
+        for line in self.p.stderr:
+            self._lines.append(line.decode(errors="replace"))
+
+    @property
+    def err(self) -> str:
+        return "".join(self._lines)
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        """The JSON log lines so far with this ``event``."""
+        out = []
+        for line in list(self._lines):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("event") == event:
+                out.append(record)
+        return out
+
+    def wait_for(self, event: str, count: int = 1, timeout: float = 10) -> list[dict[str, Any]]:
+        """At least ``count`` log lines with this ``event``, or AssertionError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while len(found := self.events(event)) < count:
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{len(found)} of {count} {event!r} log lines after {timeout}s:\n{self.err}")
+            time.sleep(0.02)
+        return found
+
+    def wait_exit(self, timeout: float | None) -> None:
+        self.p.wait(timeout)
+        self._reader.join(10)  # workers may hold the pipe a moment longer
 
     def wait_listening(self, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
-                raise AssertionError(f"forwarder exited {self.p.returncode}: {self.p.stderr.read().decode()}")  # type: ignore[union-attr]
+                self._reader.join(10)
+                raise AssertionError(f"forwarder exited {self.p.returncode}: {self.err}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 return
@@ -88,11 +131,11 @@ class Proc:
         if not signalled and self.p.poll() is None:
             self.p.send_signal(signal.SIGTERM)
         try:
-            _, err = self.p.communicate(timeout=20)
+            self.wait_exit(20)
         except subprocess.TimeoutExpired:
             self.kill()
-            _, err = self.p.communicate()
-        return self.p.returncode, err.decode()
+            self.wait_exit(None)
+        return self.p.returncode, self.err
 
 
 @pytest.fixture
@@ -101,7 +144,7 @@ def procs() -> Iterator[list[Proc]]:
     yield started
     for p in started:
         p.kill()
-        p.p.communicate()
+        p.wait_exit(None)
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:
