@@ -309,21 +309,24 @@ def test_sighup_reloads_certificates_without_dropping_live_connections(
     new = mint_leaf(pki.ca, "forwarder", dns=("localhost",), ips=("127.0.0.1",))
     write_issued(new, certdir, "forwarder")
     proc.p.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 5
-    while server_pin() != spki_pin(new.cert) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    proc.wait_for("reloaded")
     assert server_pin() == spki_pin(new.cert)
     live.send(b"still here")
     assert live.recv_exact(10) == b"still here"
 
     key.write_text("not a key")  # a broken reload keeps the current certificates
     proc.p.send_signal(signal.SIGHUP)
-    time.sleep(0.3)
+    # The reload was attempted and failed (a SIGHUP ignored would leave no such line), and only then
+    # is the certificate still served worth checking.
+    failed = proc.wait_for("reload_failed")
     assert server_pin() == spki_pin(new.cert)
+    live.send(b"and still here")
+    assert live.recv_exact(14) == b"and still here"
     live.close()
     code, err = proc.stop()
     assert code == 0
     assert "certificate reload failed" in err
+    assert len(proc.events("reloaded")) == 1 and len(failed) == len(proc.events("reload_failed")) == 1
 
 
 def test_two_workers_share_the_port_and_sum_metrics(tmp_path: Path, pki: Pki, procs: list[Proc]) -> None:
