@@ -1,1 +1,1 @@
-"""The ingress forwarder and everything else that runs on a sandbox host."""
+"""Everything on a sandbox host: the ingress forwarder (`ingress/`), the egress router (`egress/`), the taps (`taps/`)."""

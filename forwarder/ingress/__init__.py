@@ -1,0 +1,1 @@
+"""The ingress forwarder: accept, mutual TLS, preamble, target guard, connect, status, data plane, meters."""

@@ -1,0 +1,1 @@
+"""The ``sbxnet`` command and the demo: the only code that imports components."""
