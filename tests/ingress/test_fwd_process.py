@@ -157,7 +157,7 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 
 # -- configuration ---------------------------------------------------------------------------------
 
-BAD = [
+BAD: list[tuple[dict[str, object], str]] = [
     ({"listen_port": 70000}, "forwarder.listen_port = 70000"),
     ({"preamble_timeout": -1}, "forwarder.preamble_timeout = -1"),
     ({"data_plane": '"turbo"'}, "forwarder.data_plane = 'turbo'"),
