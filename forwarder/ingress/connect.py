@@ -39,6 +39,9 @@ class ConnectResult:
     attempts: int
     elapsed: float
     last_error: str  # "" on success; "refused", "no_answer", "unreachable", ...
+    # time.monotonic() when the last attempt began (on success, the one that connected), so a caller can
+    # tell how soon after a sandbox started listening it was reached; the call's start if none began.
+    attempt_started: float
 
 
 async def connect_with_retry(
@@ -58,23 +61,26 @@ async def connect_with_retry(
     delays = backoff_delays(backoff_initial, backoff_cap)
     attempts = 0
     last = "deadline"
+    attempt_started = start
     while True:
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = deadline - now
         if remaining <= 0:
-            return ConnectResult(None, attempts, time.monotonic() - start, last)
+            return ConnectResult(None, attempts, now - start, last, attempt_started)
         attempts += 1
+        attempt_started = now
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             async with asyncio.timeout(min(syn_interval, remaining)):
                 await loop.sock_connect(sock, (str(addr), port))
-            return ConnectResult(sock, attempts, time.monotonic() - start, "")
+            return ConnectResult(sock, attempts, time.monotonic() - start, "", attempt_started)
         except TimeoutError:
             if _established(sock):
                 # The answer came, but this loop was too busy to see it in time: use it rather than
                 # leave the sandbox a connection that opens and closes for nothing.
-                return ConnectResult(sock, attempts, time.monotonic() - start, "")
+                return ConnectResult(sock, attempts, time.monotonic() - start, "", attempt_started)
             sock.close()
             last = "no_answer"
             continue  # fresh SYN now
@@ -82,7 +88,7 @@ async def connect_with_retry(
             sock.close()
             if e.errno not in _RETRYABLE:
                 reason = errno.errorcode.get(e.errno or 0, "oserror")
-                return ConnectResult(None, attempts, time.monotonic() - start, reason)
+                return ConnectResult(None, attempts, time.monotonic() - start, reason, attempt_started)
             last = "refused" if e.errno == errno.ECONNREFUSED else "unreachable"
         except BaseException:
             sock.close()

@@ -61,6 +61,7 @@ class Connected:
     sock: socket.socket  # to the sandbox, non-blocking; ours to close
     attempts: int
     elapsed: float
+    attempt_started: float  # time.monotonic() when the attempt that connected began
 
 
 class ConnectionSequence:
@@ -213,7 +214,7 @@ class ConnectionSequence:
                 status=Status.NOT_LISTENING,
                 fields={"attempts": result.attempts, "elapsed_ms": round(result.elapsed * 1000, 1)},
             )
-        return Connected(result.sock, result.attempts, result.elapsed)
+        return Connected(result.sock, result.attempts, result.elapsed, result.attempt_started)
 
     async def _hand_over(self, link: TlsLink, upstream: Connected, opened: Opened, ctx: dict[str, str]) -> Outcome:
         s = self.settings
@@ -225,7 +226,11 @@ class ConnectionSequence:
                 **ctx,
                 "event": "connected",
                 "plane": self.plane.name,
-                "fields": {"attempts": upstream.attempts, "connect_ms": round(upstream.elapsed * 1000, 2)},
+                "fields": {
+                    "attempts": upstream.attempts,
+                    "connect_ms": round(upstream.elapsed * 1000, 2),
+                    "attempt_started": round(upstream.attempt_started, 6),  # time.monotonic(), this host's
+                },
             },
         )
         try:
