@@ -1,1 +1,2 @@
-"""Everything on a sandbox host: the ingress forwarder (`ingress/`), the egress router (`egress/`), the taps (`taps/`)."""
+"""Everything on a sandbox host: the ingress forwarder (`ingress/`), the egress router (`egress/`), the taps
+(`taps/`)."""
