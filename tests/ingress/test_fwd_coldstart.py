@@ -86,7 +86,7 @@ def test_answered_promptly_after_listen(
     assert fwd.sample("sbxnet_forwarder_connect_seconds_count", {"result": "ok"}) == 3
 
 
-def test_unanswered_syn_is_replaced_every_50ms(make_forwarder, pki: Pki) -> None:  # type: ignore[no-untyped-def]
+def test_unanswered_syn_is_replaced_every_50ms(make_forwarder: Callable[..., ForwarderThread], pki: Pki) -> None:
     # A listener whose accept queue is full drops new SYNs without answering (no RST): on loopback
     # that is the "sandbox still booting" case. Each attempt must be abandoned after 50 ms for a
     # fresh SYN instead of waiting for the kernel's 1 s retransmit.
