@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "forwarder"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ingress: fwd_support
 from fwd_support import ForwarderThread, GwClient, Pki, SandboxApp, make_pki, payload, preamble_for
 from ktls_test_hooks import key_update_for_test
 
