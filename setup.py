@@ -7,11 +7,14 @@ the development and CI install; a plain ``pip install .`` leaves them out.
 """
 
 import os
+import sys
 from pathlib import Path
 
 from setuptools import setup
 
 here = Path(__file__).parent
+# The build files import native._cdef; an isolated build does not put the source tree on sys.path.
+sys.path.insert(0, str(here))
 with_tests = os.environ.get("SBXNET_BUILD_TEST_EXTENSIONS") == "1"
 modules = sorted(
     f"native/{p.name}:ffibuilder"
