@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from native._egress import ffi, lib
-
 from forwarder.egress.core_types import (
     MERGED,
     OK,
@@ -33,6 +31,7 @@ from forwarder.egress.core_types import (
     SegInfo,
     Send,
 )
+from native._egress import ffi, lib
 
 __all__ = [
     "REASONS",

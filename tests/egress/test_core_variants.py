@@ -73,9 +73,8 @@ def test_variant_matches(define: str, tmp_path: Path) -> None:
 def test_core_types_match_the_header() -> None:
     # core_types (shared by the reference and the wrapper) repeats the header's constants for code that
     # must not need the built module; the built module is the header's, so they must agree.
-    from native._egress import lib
-
     from forwarder.egress import core_types as ct
+    from native._egress import lib
 
     names = [n for n in dir(lib) if n.startswith("EG_")]
     assert len(names) == len(ct.REASONS) + 5
