@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
-echo "== ruff"; ruff check .
+echo "== ruff"; ruff check --no-cache .  # no cache: what a clean clone sees
 echo "== mypy"
 mypy  # the `files` in pyproject.toml: the packages, bench/ and tests/, conftest.py files left out
 # Each test directory's conftest.py is the top-level module `conftest`, and one mypy run holds one
