@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_pkgs=(build-essential python3-dev python3-venv pkg-config libssl-dev
-           iproute2 nftables curl tcpdump ca-certificates
+           iproute2 nftables curl tcpdump ca-certificates postgresql
            qemu-system-x86 linux-image-amd64 busybox-static haproxy)
 missing=()
 for p in "${need_pkgs[@]}"; do
