@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from forwarder.ingress.connect import connect_with_retry
 from forwarder.ingress.metering import Meter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import DataPlane, Handoff, Outcome, abort
@@ -31,6 +30,7 @@ from forwarder.ingress.settings import ForwarderSettings
 from forwarder.ingress.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
 from forwarder.ingress.tls_context import handshake_failure_reason
 from forwarder.ingress.tls_link import TlsLink
+from sbxnet.connect import connect_with_retry
 from sbxnet.errors import RemoteProtocolError
 from sbxnet.protocol.link import ForwarderSequence, Opened
 from sbxnet.protocol.preamble import PreambleError

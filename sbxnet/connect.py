@@ -1,4 +1,5 @@
-"""Connecting to a sandbox that may still be starting (cold start).
+"""Connecting to a peer that may still be starting (cold start): the forwarder to a sandbox, the gateway
+to a forwarder.
 
 Two separate clocks, both from the design contract:
 - an attempt that gets no answer (no SYN-ACK, no RST) is abandoned after ``syn_interval`` and a fresh
