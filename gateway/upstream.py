@@ -1,0 +1,199 @@
+"""The gateway's side of the link: reach the sandbox's forwarder and get its OK, riding out cold starts.
+
+One attempt: TCP to the forwarder (``sbxnet.connect``: a fresh SYN every 50 ms while unanswered, the
+5 ms → 50 ms backoff while refused), mutual TLS 1.3 with the forwarder's key pinned from the route (not
+just its CA), the preamble, the status (``sbxnet.protocol.link.GatewaySequence``). A refused or
+unanswered connect, a failed handshake or pin check, and a NOT_LISTENING or UNAVAILABLE status are tried
+again with the same backoff, jittered, until the route's deadline; FORBIDDEN, BAD_PREAMBLE, INTERNAL or
+a malformed status are not (another attempt would be refused the same way).
+
+Nothing from the client is sent before OK, so a retry never repeats a request. The caller gets the
+open streams and any tenant bytes that arrived with the status, or ``UpstreamFailed`` carrying the
+HTTP answer to synthesise (502, 503 with Retry-After, 504) and a reason to count.
+
+Failed attempts are aborted (closed at once; the forwarder sees a reset): a graceful TLS close would
+wait on a forwarder that has no reason to answer, and a transport left to the garbage collector held the
+forwarder's preamble slot until its timeout (the pin-mismatch test caught that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import random
+import socket
+import ssl
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from certs.loader import PinMismatch, check_pin
+from sbxnet.backoff import BACKOFF_CAP_S, BACKOFF_INITIAL_S, SYN_INTERVAL_S, backoff_delays
+from sbxnet.connect import connect_with_retry
+from sbxnet.errors import SbxnetError
+from sbxnet.protocol.link import GatewaySequence
+from sbxnet.protocol.preamble import Preamble
+from sbxnet.protocol.routes import Route
+from sbxnet.protocol.status import Status, StatusError
+
+log = logging.getLogger("sbxnet.gateway")
+
+_NO_RETRY = {
+    Status.FORBIDDEN: "forwarder_forbidden",
+    Status.BAD_PREAMBLE: "forwarder_bad_preamble",
+    Status.INTERNAL: "forwarder_internal",
+}
+
+
+@dataclass(frozen=True)
+class UpstreamPolicy:
+    context: ssl.SSLContext  # certs.loader.client_context: the gateway's client certificate, the CA
+    syn_interval: float = SYN_INTERVAL_S
+    backoff_initial: float = BACKOFF_INITIAL_S
+    backoff_cap: float = BACKOFF_CAP_S
+    jitter: float = 0.2  # each wait is drawn from [1 - jitter, 1 + jitter] x the schedule's step
+    handshake_timeout: float = 5.0
+    status_timeout: float = 5.0  # the forwarder's answer, which includes its own connect to the sandbox
+
+
+class UpstreamFailed(SbxnetError):
+    """No OK before the deadline, or a refusal not worth retrying. ``http_status`` is what to answer."""
+
+    def __init__(self, reason: str, detail: str, *, http_status: int, retry_after: int | None, attempts: int) -> None:
+        super().__init__(reason, detail)
+        self.http_status = http_status
+        self.retry_after = retry_after
+        self.attempts = attempts
+
+
+@dataclass
+class Upstream:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    leftover: bytes  # tenant bytes that came with the status: the first of the response
+    attempts: int
+    elapsed: float  # from the first SYN to the OK
+    failures: list[str] = field(default_factory=list)  # why each earlier attempt failed, in order
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def jittered(delays: Iterator[float], rng: random.Random, jitter: float) -> Iterator[float]:
+    for d in delays:
+        yield d * rng.uniform(1 - jitter, 1 + jitter)
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+async def open_upstream(
+    route: Route, port: int, preamble: Preamble, policy: UpstreamPolicy, *, rng: random.Random | None = None
+) -> Upstream:
+    """Reach ``route``'s forwarder for ``port`` and get its OK within ``route.connect_deadline_s``."""
+    loop = asyncio.get_running_loop()
+    rng = rng or random.Random()
+    start = loop.time()
+    deadline = start + route.connect_deadline_s
+    waits = jittered(backoff_delays(policy.backoff_initial, policy.backoff_cap), rng, policy.jitter)
+    failures: list[str] = []
+    attempts = 0
+    fwd = route.forwarder
+    wire = GatewaySequence.for_preamble(preamble, now=start, timeout=policy.status_timeout).start()
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise _give_up(failures, attempts)
+        connected = await connect_with_retry(
+            ipaddress.ip_address(fwd.host),
+            fwd.port,
+            deadline_s=remaining,
+            syn_interval=policy.syn_interval,
+            backoff_initial=policy.backoff_initial,
+            backoff_cap=policy.backoff_cap,
+        )
+        attempts += connected.attempts
+        if connected.sock is None:
+            failures.append(f"connect_{connected.last_error}")
+            raise _give_up(failures, attempts)
+        try:
+            reader, writer, leftover = await _attempt(connected.sock, route, wire, policy, loop.time())
+        except _Retry as r:
+            failures.append(r.reason)
+            wait = min(next(waits), deadline - loop.time())
+            if wait > 0:
+                await asyncio.sleep(wait)
+            continue
+        except UpstreamFailed as e:
+            e.attempts = attempts
+            raise
+        return Upstream(reader, writer, leftover, attempts, loop.time() - start, failures)
+
+
+async def _attempt(
+    sock: socket.socket, route: Route, wire: bytes, policy: UpstreamPolicy, now: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    loop = asyncio.get_running_loop()
+    try:
+        reader, writer = await asyncio.open_connection(
+            sock=sock, ssl=policy.context, server_hostname="", ssl_handshake_timeout=policy.handshake_timeout
+        )
+    except (ssl.SSLError, OSError, TimeoutError) as e:
+        _close_raw(sock)
+        raise _Retry("handshake_failed") from e
+    try:
+        tls = writer.get_extra_info("ssl_object")
+        try:
+            check_pin(tls, {route.forwarder.spki_pin})
+        except PinMismatch:
+            raise _Retry("pin_mismatch") from None
+        seq = GatewaySequence(wire, now=now, timeout=policy.status_timeout)
+        writer.write(seq.start())
+        answer = None
+        async with asyncio.timeout_at(seq.deadline):
+            while answer is None:
+                data = await reader.read(4096)
+                if not data:
+                    raise _Retry("closed_before_status")
+                answer = seq.receive_data(data, loop.time())
+    except TimeoutError:
+        writer.transport.abort()
+        raise UpstreamFailed(
+            "status_timeout", "the forwarder did not answer", http_status=504, retry_after=None, attempts=0
+        ) from None
+    except StatusError as e:
+        writer.transport.abort()
+        raise UpstreamFailed(e.reason, "malformed status", http_status=502, retry_after=None, attempts=0) from None
+    except _Retry:
+        writer.transport.abort()
+        raise
+    except (OSError, ssl.SSLError) as e:
+        writer.transport.abort()
+        raise _Retry("reset_before_status") from e
+    if answer.status is Status.OK:
+        return reader, writer, answer.leftover
+    writer.transport.abort()
+    if answer.status.retryable:
+        raise _Retry(answer.status.name.lower())
+    reason = _NO_RETRY.get(answer.status, "forwarder_refused")
+    raise UpstreamFailed(reason, f"forwarder answered {answer.status.name}", http_status=502, retry_after=None,
+                         attempts=0)
+
+
+def _give_up(failures: list[str], attempts: int) -> UpstreamFailed:
+    last = failures[-1] if failures else "deadline"
+    if last in ("not_listening", "unavailable"):
+        detail = "the sandbox is not listening yet"
+    elif last.startswith("connect_"):
+        detail = "the sandbox's host does not answer"
+    else:
+        detail = f"the sandbox's host could not be reached ({last})"
+    return UpstreamFailed(last, detail, http_status=503, retry_after=1, attempts=attempts)
+
+
+def _close_raw(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()

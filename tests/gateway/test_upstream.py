@@ -1,0 +1,207 @@
+"""The gateway's upstream against a real forwarder on loopback: pinned mTLS, preamble, status, and the
+retries that ride out a cold start (forwarder or sandbox not up yet) without ever repeating a request."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import random
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
+from fwd_support import ForwarderThread, Pki, SandboxApp, make_pki
+
+from certs.loader import client_context
+from certs.mint import spki_pin
+from forwarder.ingress.settings import ForwarderSettings
+from gateway.upstream import UpstreamFailed, UpstreamPolicy, open_upstream
+from sbxnet.protocol.preamble import Preamble
+from sbxnet.protocol.routes import Forwarder, PortSpec, Route
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def fwd_settings(pki: Pki, **over: Any) -> ForwarderSettings:
+    cert, key = pki.paths["forwarder"]
+    values: dict[str, Any] = dict(
+        listen_host="127.0.0.1", listen_port=8443, metrics_port=0, cert_file=cert, key_file=key,
+        ca_file=pki.ca_file, client_san_allow=["spiffe://sbxnet.test/gateway"],
+        sandbox_prefixes=[ipaddress.ip_network("127.0.0.0/8")], allow_targets=[ipaddress.ip_network("127.0.0.1/32")],
+        connect_deadline=2.0, data_plane="userspace",
+    )
+    values.update(over)
+    return ForwarderSettings(**values)
+
+
+@pytest.fixture
+def forwarders(pki: Pki) -> Iterator[list[ForwarderThread]]:
+    started: list[ForwarderThread] = []
+    yield started
+    for f in started:
+        f.stop()
+
+
+def pin(pki: Pki, stem: str = "forwarder") -> str:
+    return spki_pin(x509.load_pem_x509_certificate(pki.paths[stem][0].read_bytes()))
+
+
+def route(fwd_port: int, app_port: int, pki: Pki, *, deadline: float = 3.0, pin_of: str = "forwarder") -> Route:
+    return Route(
+        sandbox="sbx-1", incarnation="i1", state="active",
+        forwarder=Forwarder("127.0.0.1", fwd_port, pin(pki, pin_of)),
+        target_ip=ipaddress.ip_address("127.0.0.1"), default_port=app_port,
+        ports={app_port: PortSpec("http", "public")}, token_sha256=None, connect_deadline_s=deadline,
+    )
+
+
+def preamble(app_port: int, dst: str = "127.0.0.1") -> Preamble:
+    return Preamble(ipaddress.ip_address("203.0.113.9"), 41000, ipaddress.ip_address(dst), app_port, "sbx-1", b"gw-1")
+
+
+def policy(pki: Pki) -> UpstreamPolicy:
+    cert, key = pki.paths["gateway"]
+    return UpstreamPolicy(client_context(cert_file=cert, key_file=key, ca_file=pki.ca_file))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def echo(conn: socket.socket) -> None:
+    while data := conn.recv(65536):
+        conn.sendall(data)
+
+
+async def roundtrip(r: Route, port: int, p: Preamble, pol: UpstreamPolicy) -> tuple[bytes, int, list[str]]:
+    up = await open_upstream(r, port, p, pol, rng=random.Random(1))
+    up.writer.write(b"hello")
+    got = up.leftover + await up.reader.readexactly(5 - len(up.leftover))
+    up.writer.close()
+    await up.writer.wait_closed()
+    return got, up.attempts, up.failures
+
+
+def test_ok_through_a_real_forwarder(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    fwd = ForwarderThread(fwd_settings(pki))
+    forwarders.append(fwd)
+    app = SandboxApp(echo)
+    got, attempts, failures = asyncio.run(roundtrip(route(fwd.port, app.port, pki), app.port, preamble(app.port),
+                                                    policy(pki)))
+    assert got == b"hello" and attempts == 1 and failures == []
+    app.join()
+
+
+def test_a_forwarder_that_starts_late_is_reached_once_it_listens(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    app = SandboxApp(echo)
+    port = free_port()
+    started: list[float] = []
+    t = threading.Thread(target=_start_on(pki, port, forwarders, started))
+    t.start()
+    t0 = time.monotonic()
+    got, attempts, _ = asyncio.run(roundtrip(route(port, app.port, pki), app.port, preamble(app.port),
+                                                    policy(pki)))
+    t.join()
+    assert got == b"hello"
+    assert attempts > 1  # refused SYNs first
+    assert started and time.monotonic() - t0 < 3.0
+    app.join()
+
+
+def _start_on(pki: Pki, port: int, forwarders: list[ForwarderThread], started: list[float]) -> Any:
+    def run() -> None:
+        time.sleep(0.3)
+        f = _ForwarderOnPort(fwd_settings(pki), port)
+        forwarders.append(f)
+        started.append(time.monotonic())
+
+    return run
+
+
+class _ForwarderOnPort(ForwarderThread):
+    """A ForwarderThread on a port chosen beforehand (the test needs to aim at it before it listens)."""
+
+    def __init__(self, settings: ForwarderSettings, port: int) -> None:
+        from forwarder.ingress import server as server_mod
+
+        real = server_mod.bind_listener
+
+        fixed = port
+
+        def bind(host: str, port: int, *, reuse_port: bool, backlog: int = 1024) -> socket.socket:
+            return real(host, fixed, reuse_port=reuse_port, backlog=backlog)
+
+        server_mod.bind_listener = bind
+        try:
+            super().__init__(settings)
+        finally:
+            server_mod.bind_listener = real
+
+
+def test_not_listening_is_retried_until_the_sandbox_listens(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    # The forwarder gives up on the sandbox after 0.2 s (NOT_LISTENING); the gateway keeps asking.
+    fwd = ForwarderThread(fwd_settings(pki, connect_deadline=0.2))
+    forwarders.append(fwd)
+    app = SandboxApp(echo, listen=False)
+    timer = threading.Timer(0.7, app.listen)
+    timer.start()
+    got, attempts, failures = asyncio.run(roundtrip(route(fwd.port, app.port, pki), app.port, preamble(app.port),
+                                                    policy(pki)))
+    timer.join()
+    assert got == b"hello"
+    assert "not_listening" in failures and attempts >= 2
+    app.join()
+
+
+def test_forwarder_down_is_503_within_the_deadline(pki: Pki) -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(UpstreamFailed) as e:
+        asyncio.run(open_upstream(route(port, 9, pki, deadline=0.5), 9, preamble(9), policy(pki)))
+    took = time.monotonic() - t0
+    assert e.value.http_status == 503 and e.value.retry_after == 1
+    assert e.value.attempts > 3
+    assert 0.45 < took < 2.0
+
+
+def test_a_forbidden_target_is_not_retried(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    fwd = ForwarderThread(fwd_settings(pki))
+    forwarders.append(fwd)
+    with pytest.raises(UpstreamFailed) as e:
+        asyncio.run(open_upstream(route(fwd.port, 80, pki), 80, preamble(80, dst="169.254.169.254"), policy(pki)))
+    assert e.value.http_status == 502 and e.value.reason == "forwarder_forbidden"
+    assert e.value.attempts == 1
+
+
+def test_a_forwarder_with_another_key_is_never_sent_the_preamble(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    fwd = ForwarderThread(fwd_settings(pki))
+    forwarders.append(fwd)
+    app = SandboxApp(echo)
+    with pytest.raises(UpstreamFailed) as e:
+        asyncio.run(open_upstream(route(fwd.port, app.port, pki, deadline=0.4, pin_of="gateway"), app.port,
+                                  preamble(app.port), policy(pki)))
+    assert e.value.http_status == 503 and e.value.reason == "pin_mismatch"
+    fwd.wait_idle()
+    assert app.accepted == 0
+    # Every attempt ended before a preamble: the forwarder saw the link close after the handshake.
+    rejects = {
+        s.labels["reason"]: s.value
+        for m in fwd.server.metrics.registry.collect()
+        if m.name == "sbxnet_forwarder_preamble_rejects"
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
+    assert sum(rejects.values()) >= 2 and set(rejects) <= {"eof", "reset", "tls_error"}, rejects
