@@ -1,0 +1,116 @@
+"""Where the gateway gets routes and wakes sandboxes: the scheduler (docs/scheduler-api.md), or a file.
+
+``RouteSource`` is what the rest of the gateway calls. ``StaticRoutes`` serves routes from a JSON file of
+registrations (``{"sandboxes": {"<id>": <registration as PUT /v1/sandboxes/<id> takes it>}}``), every
+sandbox always active: for a fixed fleet, and for running the gateway before a scheduler exists. The
+scheduler's client implements the same two calls over HTTP.
+
+``Waker`` coalesces wakes: one call to the source per sandbox however many requests wait, the waiters
+bounded per sandbox (past the bound a request is answered 503 at once rather than queued without limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from sbxnet.errors import EnvironmentFault
+from sbxnet.protocol.routes import Route, RouteError, check_sandbox_id, pull_registration
+
+
+@dataclass(frozen=True)
+class Lookup:
+    route: Route | None  # None: no such sandbox
+    ttl: float  # how long the answer may be cached (the scheduler's Cache-Control max-age)
+
+
+class RouteSource(Protocol):
+    async def lookup(self, sandbox: str) -> Lookup: ...
+
+    async def wake(self, sandbox: str, wait: float) -> str:
+        """Ask for ``sandbox`` to run; returns its state when answered ("active" once it runs)."""
+        ...
+
+
+class StaticRoutes:
+    def __init__(self, path: Path, *, ttl: float = 5.0) -> None:
+        self.path = path
+        self.ttl = ttl
+        self._routes = self._load(path)
+
+    @staticmethod
+    def _load(path: Path) -> dict[str, Route]:
+        try:
+            doc = json.loads(path.read_bytes())
+        except (OSError, ValueError) as e:
+            raise EnvironmentFault("routes_file", f"cannot read {path}: {e}") from None
+        if not isinstance(doc, dict) or set(doc) != {"sandboxes"} or not isinstance(doc["sandboxes"], dict):
+            raise EnvironmentFault("routes_file", f'{path}: expected {{"sandboxes": {{"<id>": {{...}}}}}}')
+        routes: dict[str, Route] = {}
+        for sandbox, body in doc["sandboxes"].items():
+            try:
+                check_sandbox_id(sandbox)
+                reg = pull_registration(json.dumps(body).encode())
+            except RouteError as e:
+                raise EnvironmentFault("routes_file", f"{path}: sandbox {sandbox[:64]!r}: {e}") from None
+            routes[sandbox] = reg.route(sandbox, "active")
+        return routes
+
+    def reload(self) -> BaseException | None:
+        """Read the file again; keep the current routes if it is bad."""
+        try:
+            self._routes = self._load(self.path)
+        except EnvironmentFault as e:
+            return e
+        return None
+
+    async def lookup(self, sandbox: str) -> Lookup:
+        return Lookup(self._routes.get(sandbox), self.ttl)
+
+    async def wake(self, sandbox: str, wait: float) -> str:
+        return "active" if sandbox in self._routes else "unknown"
+
+
+class WakeRefused(Exception):
+    """Too many requests already wait for this sandbox to wake."""
+
+
+class Waker:
+    def __init__(self, source: RouteSource, *, max_waiting: int = 256, wait: float = 10.0) -> None:
+        self.source = source
+        self.max_waiting = max_waiting
+        self.wait = wait
+        self._inflight: dict[str, asyncio.Task[str]] = {}
+        self._waiting: dict[str, int] = {}
+        self.calls = 0  # wakes sent to the source (metrics: wakes)
+
+    def _finished(self, sandbox: str) -> Callable[[asyncio.Task[str]], None]:
+        def done(_task: asyncio.Task[str]) -> None:
+            self._inflight.pop(sandbox, None)
+
+        return done
+
+    async def wake(self, sandbox: str) -> str:
+        """The sandbox's state after one coalesced wake; ``WakeRefused`` past ``max_waiting``."""
+        if self._waiting.get(sandbox, 0) >= self.max_waiting:
+            raise WakeRefused(sandbox)
+        task = self._inflight.get(sandbox)
+        if task is None:
+            self.calls += 1
+            task = asyncio.create_task(self.source.wake(sandbox, self.wait))
+            self._inflight[sandbox] = task
+            task.add_done_callback(self._finished(sandbox))
+        self._waiting[sandbox] = self._waiting.get(sandbox, 0) + 1
+        try:
+            # shield: one waiter giving up (its client left) must not cancel the wake for the others.
+            return await asyncio.shield(task)
+        finally:
+            left = self._waiting[sandbox] - 1
+            if left:
+                self._waiting[sandbox] = left
+            else:
+                del self._waiting[sandbox]

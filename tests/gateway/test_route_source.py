@@ -1,0 +1,107 @@
+"""Static routes from a file, and the waker that coalesces wakes per sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.route_source import Lookup, StaticRoutes, Waker, WakeRefused
+from sbxnet.errors import EnvironmentFault
+
+PIN = base64.b64encode(hashlib.sha256(b"k").digest()).decode()
+REG = {
+    "incarnation": "i1",
+    "forwarder": {"address": "127.0.0.1:8443", "spki_pin": PIN},
+    "target_ip": "127.0.0.1",
+    "default_port": 8080,
+    "ports": {"8080": {"protocol": "http", "auth": "public"}},
+    "idle_period_s": 60,
+}
+
+
+def write(tmp_path: Path, doc: object) -> Path:
+    p = tmp_path / "routes.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def test_static_routes_serve_the_file_and_reload_keeps_them_when_bad(tmp_path: Path) -> None:
+    p = write(tmp_path, {"sandboxes": {"sbx-1": REG}})
+    src = StaticRoutes(p, ttl=3)
+    found = asyncio.run(src.lookup("sbx-1"))
+    assert found.route is not None and found.route.state == "active" and found.ttl == 3
+    assert found.route.forwarder.port == 8443
+    assert asyncio.run(src.lookup("nope")) == Lookup(None, 3)
+    p.write_text("{")
+    assert src.reload() is not None
+    assert asyncio.run(src.lookup("sbx-1")).route is not None
+    write(tmp_path, {"sandboxes": {"sbx-2": REG}})
+    assert src.reload() is None
+    assert asyncio.run(src.lookup("sbx-1")).route is None
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [[], {"routes": {}}, {"sandboxes": {"a.b": REG}}, {"sandboxes": {"sbx": {**REG, "default_port": 1}}}],
+)
+def test_a_bad_file_is_an_environment_fault_naming_it(tmp_path: Path, doc: object) -> None:
+    with pytest.raises(EnvironmentFault) as e:
+        StaticRoutes(write(tmp_path, doc))
+    assert "routes.json" in str(e.value)
+
+
+class CountingSource:
+    """A route source whose wake takes ``delay`` and counts its calls (the waker's own logic under test)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.wakes: list[str] = []
+
+    async def lookup(self, sandbox: str) -> Lookup:
+        return Lookup(None, 1)
+
+    async def wake(self, sandbox: str, wait: float) -> str:
+        self.wakes.append(sandbox)
+        await asyncio.sleep(self.delay)
+        return "active"
+
+
+def test_fifty_waiters_cause_one_wake_per_sandbox() -> None:
+    async def main() -> tuple[list[str], list[str]]:
+        src = CountingSource(0.05)
+        waker = Waker(src)
+        states = await asyncio.gather(*(waker.wake("a") for _ in range(50)), *(waker.wake("b") for _ in range(3)))
+        return list(states), src.wakes
+
+    states, wakes = asyncio.run(main())
+    assert states == ["active"] * 53
+    assert sorted(wakes) == ["a", "b"]
+
+
+def test_a_waiter_leaving_does_not_cancel_the_wake_for_the_others() -> None:
+    async def main() -> str:
+        waker = Waker(CountingSource(0.05))
+        first = asyncio.create_task(waker.wake("a"))
+        second = asyncio.create_task(waker.wake("a"))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        return await second
+
+    assert asyncio.run(main()) == "active"
+
+
+def test_waiters_are_bounded_per_sandbox() -> None:
+    async def main() -> int:
+        waker = Waker(CountingSource(0.05), max_waiting=3)
+        results = await asyncio.gather(*(waker.wake("a") for _ in range(5)), return_exceptions=True)
+        assert waker.calls == 1
+        after = await waker.wake("a")  # once they are answered, new waiters are taken again
+        assert after == "active" and waker.calls == 2
+        return sum(isinstance(r, WakeRefused) for r in results)
+
+    assert asyncio.run(main()) == 2
