@@ -1,0 +1,537 @@
+"""The scheduler's idle timers and sandbox states, as a pure core (docs/scheduler-api.md "States",
+"Holds", "Wake").
+
+No I/O and no clock: every input carries ``now`` (seconds, a float on the caller's clock) and every
+state change comes back as an ``Event``. The HTTP handlers, the store and the driver webhook are
+adapters around it; the adapter arms one real timer at ``next_timer()`` and calls ``on_timer(now)``.
+
+What keeps a sandbox ``active``: bytes (a report's byte deltas); under the ``connections`` policy also
+an open connection; a hold until it ends. Its idle deadline is ``idle_period_s`` after the latest of
+the last activity, the hold's end and the moment it last became active (so a sandbox just woken is not
+declared idle over the silence while it was stopped).
+
+What is trusted: the feed codec and the HTTP layer have validated shapes and types; the core checks
+only what it decides on (a non-negative count, a positive finite period or hold). A report about an
+unknown sandbox, or whose last activity precedes the sandbox's current incarnation, is counted in
+``counters`` and dropped. A report whose last activity is no later than the sandbox's last stop is
+about the run that was stopped: its bytes are counted, but it changes no state and no open count.
+
+Timers: one heap with lazy invalidation, at most one live entry per sandbox. A deadline that moves
+later (the common case: every report) leaves the entry where it is; when the entry reaches the top it
+is moved to the real deadline. So a report costs O(1), ``next_timer()`` is exact (never earlier or
+later than the true earliest deadline), and ``on_timer`` never fires early.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import NamedTuple
+
+from sbxnet.errors import LocalProtocolError
+
+
+class State(StrEnum):
+    ACTIVE = "active"
+    IDLE = "idle"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    WAKING = "waking"
+
+
+class Why(StrEnum):
+    """An event's ``why`` (docs/scheduler-api.md "Status and events")."""
+
+    IDLE_TIMER = "idle_timer"
+    TRAFFIC = "traffic"
+    WAKE = "wake"
+    HOLD = "hold"
+    DRIVER = "driver"
+    REGISTERED = "registered"
+
+
+class Activity(StrEnum):
+    BYTES = "bytes"  # only bytes reset the timer (the default)
+    CONNECTIONS = "connections"  # an open connection keeps the sandbox active too
+
+
+class Input(StrEnum):
+    """What can move a registered sandbox from one state to another."""
+
+    TIMER = "timer"
+    TRAFFIC = "traffic"
+    WAKE = "wake"
+    HOLD = "hold"
+    STOPPING = "driver_stopping"
+    STOPPED = "driver_stopped"
+    READY = "driver_ready"
+    FAILED = "driver_failed"
+
+
+_WHY = {
+    Input.TIMER: Why.IDLE_TIMER,
+    Input.TRAFFIC: Why.TRAFFIC,
+    Input.WAKE: Why.WAKE,
+    Input.HOLD: Why.HOLD,
+    Input.STOPPING: Why.DRIVER,
+    Input.STOPPED: Why.DRIVER,
+    Input.READY: Why.DRIVER,
+    Input.FAILED: Why.DRIVER,
+}
+
+_A, _I, _SG, _SD, _W = State.ACTIVE, State.IDLE, State.STOPPING, State.STOPPED, State.WAKING
+
+# Every transition, in one place. A pair that is not here changes nothing. ``None``: back to the state
+# the wake came from (idle or stopped). The driver's word about the world wins over ours (a sandbox the
+# platform says stopped is stopped, one it says ready is active), except that a stop it announces for a
+# sandbox that is not idle is refused (``driver_stopping`` answers proceed=False: the stop fence).
+TRANSITIONS: dict[tuple[State, Input], State | None] = {
+    (_A, Input.TIMER): _I,
+    (_A, Input.STOPPED): _SD,
+    (_I, Input.TRAFFIC): _A,
+    (_I, Input.HOLD): _A,
+    (_I, Input.WAKE): _W,
+    (_I, Input.STOPPING): _SG,
+    (_I, Input.STOPPED): _SD,
+    (_SG, Input.TRAFFIC): _A,  # the stop fence
+    (_SG, Input.HOLD): _A,
+    (_SG, Input.WAKE): _A,
+    (_SG, Input.STOPPED): _SD,
+    (_SG, Input.READY): _A,
+    (_SD, Input.TRAFFIC): _A,
+    (_SD, Input.WAKE): _W,
+    (_SD, Input.READY): _A,
+    (_W, Input.TRAFFIC): _A,
+    (_W, Input.READY): _A,
+    (_W, Input.FAILED): None,
+}
+
+
+class UnknownSandbox(LocalProtocolError):
+    """A call named a sandbox that is not registered (the HTTP layer answers 404)."""
+
+    def __init__(self, sandbox: str) -> None:
+        super().__init__("unknown_sandbox", sandbox)
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxConfig:
+    """What the timer core needs of a registration. ``registered_at`` is when this incarnation began:
+    reports about activity before it belong to the previous one."""
+
+    sandbox: str
+    incarnation: str
+    idle_period_s: float
+    activity: Activity = Activity.BYTES
+    registered_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.sandbox or not self.incarnation:
+            raise LocalProtocolError("bad_config", "sandbox and incarnation must be non-empty")
+        if not (math.isfinite(self.idle_period_s) and self.idle_period_s > 0):
+            raise LocalProtocolError("bad_config", f"idle_period_s must be positive, not {self.idle_period_s!r}")
+        if not isinstance(self.activity, Activity):
+            object.__setattr__(self, "activity", Activity(self.activity))
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One state change. ``from_state`` is None only for a sandbox's first registration."""
+
+    sandbox: str
+    incarnation: str
+    from_state: State | None
+    to_state: State
+    at: float
+    why: Why
+
+    def to_json(self) -> dict[str, object]:
+        """The shape of docs/scheduler-api.md: ``{"sandbox", "incarnation", "from", "to", "at", "why"}``."""
+        return {
+            "sandbox": self.sandbox,
+            "incarnation": self.incarnation,
+            "from": None if self.from_state is None else self.from_state.value,
+            "to": self.to_state.value,
+            "at": self.at,
+            "why": self.why.value,
+        }
+
+
+@dataclass(slots=True)
+class SandboxState:
+    """One incarnation's state: what a store saves and ``TimerCore.restore`` takes back."""
+
+    active_since: float  # when it last became active: the idle period never runs from earlier
+    state: State = State.ACTIVE
+    last_activity: float | None = None  # the latest activity the policy counts
+    bytes_in: int = 0  # totals for this incarnation
+    bytes_out: int = 0
+    open_connections: int = 0  # as the latest report said
+    hold_until: float | None = None
+    stopped_at: float | None = None  # the driver's latest "stopped": older reports change no state
+    wake_from: State | None = None  # while waking: where driver_failed returns to
+    fenced: bool = False  # a stop the driver announced was cancelled by traffic, a wake or a hold
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxStatus:
+    """One row of ``sbxnet scheduler status`` and ``GET /v1/sandboxes``."""
+
+    sandbox: str
+    incarnation: str
+    state: State
+    last_activity: float | None
+    bytes_in: int
+    bytes_out: int
+    open_connections: int
+    hold_until: float | None  # None when no hold is in force
+    idle_in_s: float | None  # None when no idle timer runs (not active, or held by open connections)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "sandbox": self.sandbox,
+            "incarnation": self.incarnation,
+            "state": self.state.value,
+            "last_activity": self.last_activity,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "open_connections": self.open_connections,
+            "hold_until": self.hold_until,
+            "idle_in_s": self.idle_in_s,
+        }
+
+
+class WakeOutcome(NamedTuple):
+    events: list[Event]
+    start_driver: bool  # ask the driver to start the sandbox (once per idle/stopped -> waking)
+
+
+class HoldOutcome(NamedTuple):
+    hold_until: float  # the hold in force after this call (unchanged when the new one ended earlier)
+    events: list[Event]
+
+
+class StopOutcome(NamedTuple):
+    events: list[Event]
+    proceed: bool  # False: the sandbox is active or waking again, the driver must not stop it
+
+
+@dataclass(eq=False, slots=True)
+class _Sandbox:
+    config: SandboxConfig
+    st: SandboxState
+    gen: int = 0  # the generation of its one live heap entry
+    # That entry's time, None when it has none. Entries hold the object itself: a removed or
+    # re-registered sandbox's entries are stale because the registry no longer maps its ID to it.
+    heap_at: float | None = None
+
+
+def _deadline(sb: _Sandbox) -> float | None:
+    st = sb.st
+    if st.state is not State.ACTIVE:
+        return None
+    if st.open_connections > 0 and sb.config.activity is Activity.CONNECTIONS:
+        return None
+    base = st.active_since
+    if st.last_activity is not None and st.last_activity > base:
+        base = st.last_activity
+    if st.hold_until is not None and st.hold_until > base:
+        base = st.hold_until
+    return base + sb.config.idle_period_s
+
+
+_Entry = tuple[float, int, _Sandbox, int]
+
+
+class TimerCore:
+    """Every registered sandbox's state and idle timer. Not thread-safe; one owner drives it."""
+
+    def __init__(self) -> None:
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._heap: list[_Entry] = []
+        self._seq = itertools.count()
+        self.counters: dict[str, int] = {"report_unknown_sandbox": 0, "report_stale_incarnation": 0}
+
+    # -- the registry --------------------------------------------------------------------------
+
+    def register(self, config: SandboxConfig, now: float) -> list[Event]:
+        """Add a sandbox or replace its registration. The same incarnation keeps its state, meters,
+        hold and incarnation start (``registered_at`` of the first registration) and takes the new
+        period and policy; a new incarnation starts afresh, ``active`` (one ``registered`` event)."""
+        old = self._sandboxes.get(config.sandbox)
+        if old is not None and old.config.incarnation == config.incarnation:
+            old.config = replace(config, registered_at=old.config.registered_at)
+            self._schedule(old)
+            return []
+        sb = _Sandbox(config, SandboxState(active_since=now))
+        self._sandboxes[config.sandbox] = sb
+        self._schedule(sb)
+        frm = None if old is None else old.st.state
+        return [Event(config.sandbox, config.incarnation, frm, State.ACTIVE, now, Why.REGISTERED)]
+
+    def remove(self, sandbox: str) -> bool:
+        """Forget a sandbox (its heap entries go stale). False if it was not registered."""
+        return self._sandboxes.pop(sandbox, None) is not None
+
+    def restore(self, config: SandboxConfig, state: SandboxState) -> None:
+        """Install a sandbox as a store saved it (after a restart); no event."""
+        sb = _Sandbox(config, replace(state))
+        self._sandboxes[config.sandbox] = sb
+        self._schedule(sb)
+
+    def snapshot(self, sandbox: str) -> SandboxState:
+        """A copy of a sandbox's state, for the store."""
+        return replace(self._get(sandbox).st)
+
+    def config(self, sandbox: str) -> SandboxConfig:
+        return self._get(sandbox).config
+
+    def state_of(self, sandbox: str) -> State | None:
+        sb = self._sandboxes.get(sandbox)
+        return None if sb is None else sb.st.state
+
+    def __len__(self) -> int:
+        return len(self._sandboxes)
+
+    def __contains__(self, sandbox: object) -> bool:
+        return sandbox in self._sandboxes
+
+    # -- the feed ------------------------------------------------------------------------------
+
+    def on_report(
+        self, sandbox: str, bytes_in: int, bytes_out: int, open_connections: int, last_activity: float, now: float
+    ) -> list[Event]:
+        """Apply one sandbox's entry of an applied feed batch: byte deltas, the connections open at
+        sending, and its last activity on our clock (receive time minus ``idle_s``).
+
+        Bytes are activity at ``last_activity``. Under the ``connections`` policy a report with open
+        connections, or the one that says the last of them closed, is activity at ``now`` (the feed
+        carries no close time; the close happened within one report interval before). Activity takes
+        a sandbox that is not active back to ``active`` (why ``traffic``). A report no later than the
+        sandbox's last stop adds its bytes and nothing else. Unknown sandbox and previous incarnation:
+        counted, dropped."""
+        sb = self._sandboxes.get(sandbox)
+        if sb is None:
+            self.counters["report_unknown_sandbox"] += 1
+            return []
+        if last_activity < sb.config.registered_at:
+            self.counters["report_stale_incarnation"] += 1
+            return []
+        if bytes_in < 0 or bytes_out < 0 or open_connections < 0:
+            raise LocalProtocolError("bad_report", "negative count")
+        st = sb.st
+        st.bytes_in += bytes_in
+        st.bytes_out += bytes_out
+        if st.stopped_at is not None and last_activity <= st.stopped_at:
+            # About the run that was stopped: its connections (any live one would make the report's
+            # last activity later than the stop) died with it.
+            return []
+        was_open = st.open_connections
+        st.open_connections = open_connections
+        at: float | None = last_activity if bytes_in or bytes_out else None
+        if sb.config.activity is Activity.CONNECTIONS and (open_connections or was_open):
+            at = now if at is None or now > at else at
+        events: list[Event] = []
+        if at is not None:
+            if st.last_activity is None or at > st.last_activity:
+                st.last_activity = at
+            if st.state is not State.ACTIVE:
+                ev = self._step(sb, Input.TRAFFIC, now)
+                if ev is not None:
+                    events.append(ev)
+        if st.state is State.ACTIVE:
+            self._schedule(sb)
+        return events
+
+    # -- holds ---------------------------------------------------------------------------------
+
+    def hold(self, sandbox: str, ttl_s: float, now: float) -> HoldOutcome:
+        """Keep the sandbox active until ``now + ttl_s``; extend-only (a hold ending earlier than the
+        current one changes nothing). Returns the hold's end. An idle or stopping sandbox goes back to
+        ``active`` (why ``hold``); a stopped or waking one keeps its state, and the hold counts once it
+        is active again."""
+        if not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise LocalProtocolError("bad_hold", f"ttl_s must be positive, not {ttl_s!r}")
+        sb = self._get(sandbox)
+        st = sb.st
+        until = now + ttl_s
+        if st.hold_until is None or until > st.hold_until:
+            st.hold_until = until
+        ev = self._step(sb, Input.HOLD, now)
+        self._schedule(sb)
+        return HoldOutcome(st.hold_until, [] if ev is None else [ev])
+
+    # -- timers --------------------------------------------------------------------------------
+
+    def next_timer(self) -> float | None:
+        """The earliest idle deadline over all sandboxes (exact), or None when no timer runs."""
+        heap = self._heap
+        while heap:
+            at, _, sb, gen = heap[0]
+            if sb.gen != gen or self._sandboxes.get(sb.config.sandbox) is not sb:
+                heapq.heappop(heap)
+                continue
+            d = _deadline(sb)
+            if d is None:
+                heapq.heappop(heap)
+                sb.heap_at = None
+            elif d != at:
+                heapq.heapreplace(heap, (d, next(self._seq), sb, gen))
+                sb.heap_at = d
+            else:
+                return at
+        return None
+
+    def on_timer(self, now: float) -> list[Event]:
+        """Every sandbox whose deadline is at or before ``now`` goes idle (why ``idle_timer``), once per
+        expiry: an idle sandbox has no timer until it is active again."""
+        events: list[Event] = []
+        while True:
+            at = self.next_timer()
+            if at is None or at > now:
+                return events
+            _, _, sb, _ = heapq.heappop(self._heap)
+            sb.heap_at = None
+            ev = self._step(sb, Input.TIMER, now)
+            if ev is not None:
+                events.append(ev)
+
+    # -- wake and the driver -------------------------------------------------------------------
+
+    def wake(self, sandbox: str, now: float) -> WakeOutcome:
+        """The gateway's wake. Idle or stopped: -> ``waking`` and ask the driver to start it. Waking:
+        coalesced, the driver is not asked again. Stopping: the stop fence, back to ``active``. Active:
+        nothing to do."""
+        sb = self._get(sandbox)
+        ev = self._step(sb, Input.WAKE, now)
+        self._schedule(sb)
+        if ev is None:
+            return WakeOutcome([], False)
+        return WakeOutcome([ev], ev.to_state is State.WAKING)
+
+    def driver_stopping(self, sandbox: str, now: float) -> StopOutcome:
+        """The driver announces it is stopping the sandbox. Allowed from ``idle`` (-> ``stopping``);
+        a stopping or stopped sandbox answers proceed=True with no event; an active or waking one
+        proceed=False (traffic or a wake came first: do not stop it)."""
+        sb = self._get(sandbox)
+        sb.st.fenced = False
+        ev = self._step(sb, Input.STOPPING, now)
+        proceed = sb.st.state in (State.STOPPING, State.STOPPED)
+        return StopOutcome([] if ev is None else [ev], proceed)
+
+    def driver_stopped(self, sandbox: str, now: float) -> WakeOutcome:
+        """The driver says the sandbox is stopped; its connections are gone. Active, idle or stopping:
+        -> ``stopped``. If a stop fence had sent it back to ``active`` (the stop went through anyway),
+        it goes on to ``waking`` and the driver is asked to start it. Waking: the state stays (the
+        driver has the start request), but a failed start now returns to ``stopped``."""
+        sb = self._get(sandbox)
+        st = sb.st
+        fenced = st.fenced and st.state is State.ACTIVE
+        st.stopped_at = now
+        st.open_connections = 0
+        if st.state is State.WAKING:
+            st.wake_from = State.STOPPED
+            return WakeOutcome([], False)
+        ev = self._step(sb, Input.STOPPED, now)
+        if ev is None:
+            return WakeOutcome([], False)
+        if fenced:
+            again = self._step(sb, Input.WAKE, now)
+            assert again is not None
+            return WakeOutcome([ev, again], True)
+        return WakeOutcome([ev], False)
+
+    def driver_ready(self, sandbox: str, now: float) -> list[Event]:
+        """The driver says the sandbox runs: waking, stopped or stopping -> ``active`` (its idle period
+        starts now). Idle or active: nothing changes."""
+        sb = self._get(sandbox)
+        ev = self._step(sb, Input.READY, now)
+        self._schedule(sb)
+        return [] if ev is None else [ev]
+
+    def driver_failed(self, sandbox: str, now: float) -> list[Event]:
+        """The driver could not start it: waking -> the state the wake came from (idle or stopped)."""
+        sb = self._get(sandbox)
+        ev = self._step(sb, Input.FAILED, now)
+        return [] if ev is None else [ev]
+
+    # -- status --------------------------------------------------------------------------------
+
+    def status(self, now: float) -> list[SandboxStatus]:
+        """Every sandbox, by ID."""
+        return [self._status(self._sandboxes[sid], now) for sid in sorted(self._sandboxes)]
+
+    def status_of(self, sandbox: str, now: float) -> SandboxStatus:
+        return self._status(self._get(sandbox), now)
+
+    @staticmethod
+    def _status(sb: _Sandbox, now: float) -> SandboxStatus:
+        st = sb.st
+        d = _deadline(sb)
+        return SandboxStatus(
+            sandbox=sb.config.sandbox,
+            incarnation=sb.config.incarnation,
+            state=st.state,
+            last_activity=st.last_activity,
+            bytes_in=st.bytes_in,
+            bytes_out=st.bytes_out,
+            open_connections=st.open_connections,
+            hold_until=st.hold_until if st.hold_until is not None and st.hold_until > now else None,
+            idle_in_s=None if d is None else max(0.0, d - now),
+        )
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _get(self, sandbox: str) -> _Sandbox:
+        sb = self._sandboxes.get(sandbox)
+        if sb is None:
+            raise UnknownSandbox(sandbox)
+        return sb
+
+    def _step(self, sb: _Sandbox, inp: Input, now: float) -> Event | None:
+        """Apply ``TRANSITIONS`` for one input; the one place a state changes. Returns its event."""
+        st = sb.st
+        key = (st.state, inp)
+        if key not in TRANSITIONS:
+            return None
+        to = TRANSITIONS[key]
+        if to is None:
+            to = st.wake_from if st.wake_from is not None else State.IDLE
+        frm = st.state
+        if to is State.ACTIVE:
+            st.active_since = now
+            if frm is State.STOPPING:
+                st.fenced = True
+        elif to is State.WAKING:
+            st.wake_from = frm
+        elif to is State.IDLE:
+            st.fenced = False
+        elif to is State.STOPPED:
+            st.stopped_at = now
+            st.open_connections = 0
+            st.fenced = False
+        if frm is State.WAKING:
+            st.wake_from = None
+        st.state = to
+        return Event(sb.config.sandbox, sb.config.incarnation, frm, to, now, _WHY[inp])
+
+    def _schedule(self, sb: _Sandbox) -> None:
+        """Keep the invariant: a sandbox with a deadline has a live heap entry no later than it."""
+        d = _deadline(sb)
+        if d is None or (sb.heap_at is not None and sb.heap_at <= d):
+            return
+        heap = self._heap
+        if len(heap) > 2 * len(self._sandboxes) + 1024:
+            self._compact()
+        sb.gen += 1
+        sb.heap_at = d
+        heapq.heappush(heap, (d, next(self._seq), sb, sb.gen))
+
+    def _compact(self) -> None:
+        """Drop stale entries (from deadlines that moved earlier, and removed sandboxes)."""
+        live = self._sandboxes
+        self._heap = [e for e in self._heap if e[2].gen == e[3] and live.get(e[2].config.sandbox) is e[2]]
+        heapq.heapify(self._heap)

@@ -1,0 +1,731 @@
+"""The timer core with a fake clock: idle exactly at the period after the last activity, the activity
+policies, holds, incarnations, wake coalescing and the stop fence, one event per transition, and a
+stateful test against a plain reference model (docs/scheduler-api.md "States", "Holds", "Wake")."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from sbxnet.errors import LocalProtocolError
+from scheduler.timers import (
+    TRANSITIONS,
+    Activity,
+    Event,
+    Input,
+    SandboxConfig,
+    State,
+    TimerCore,
+    UnknownSandbox,
+    Why,
+)
+
+ACTIVE, IDLE, STOPPING, STOPPED, WAKING = State.ACTIVE, State.IDLE, State.STOPPING, State.STOPPED, State.WAKING
+
+
+def core_with(
+    sid: str = "sbx-1", period: float = 10.0, activity: Activity = Activity.BYTES, now: float = 0.0
+) -> TimerCore:
+    core = TimerCore()
+    core.register(SandboxConfig(sid, "inc-1", period, activity, registered_at=now), now)
+    return core
+
+
+def moves(events: list[Event]) -> list[tuple[str, State | None, State, Why]]:
+    return [(e.sandbox, e.from_state, e.to_state, e.why) for e in events]
+
+
+def report(
+    core: TimerCore, now: float, *, n: int = 1, open_: int = 0, age: float = 0.0, sid: str = "sbx-1"
+) -> list[Event]:
+    return core.on_report(sid, n, n, open_, now - age, now)
+
+
+def go_idle(core: TimerCore, sid: str = "sbx-1") -> float:
+    at = core.next_timer()
+    assert at is not None
+    assert moves(core.on_timer(at)) == [(sid, ACTIVE, IDLE, Why.IDLE_TIMER)]
+    return at
+
+
+# -- idle timers and the activity policies ---------------------------------------------------------
+
+
+def test_traffic_keeps_a_sandbox_active_past_its_period() -> None:
+    core = core_with(period=10.0)
+    for t in range(1, 61):
+        assert report(core, float(t), age=0.4) == []
+        assert core.on_timer(float(t) + 0.5) == []
+    assert core.state_of("sbx-1") is ACTIVE
+
+
+def test_idle_exactly_at_the_period_after_the_last_byte_and_once() -> None:
+    core = core_with(period=10.0)
+    report(core, 3.5, age=0.5)  # the last byte at 3.0
+    assert core.next_timer() == 13.0
+    assert core.on_timer(12.999) == []
+    assert core.state_of("sbx-1") is ACTIVE
+    (ev,) = core.on_timer(13.0)
+    assert (ev.from_state, ev.to_state, ev.why, ev.at) == (ACTIVE, IDLE, Why.IDLE_TIMER, 13.0)
+    assert core.next_timer() is None
+    assert core.on_timer(1000.0) == []
+
+
+def test_a_silent_new_sandbox_goes_idle_one_period_after_registration() -> None:
+    core = core_with(period=30.0, now=100.0)
+    assert core.next_timer() == 130.0
+    assert core.on_timer(129.9) == []
+    assert len(core.on_timer(130.0)) == 1
+
+
+def test_a_byte_every_few_seconds_keeps_it_alive_then_silence_idles_it() -> None:
+    core = core_with(period=5.0)
+    t = 0.0
+    while t < 100.0:
+        t += 4.0
+        report(core, t + 1.0, age=1.0)  # the byte at t, reported one interval later
+        assert core.on_timer(t + 1.0) == []
+    assert core.next_timer() == t + 5.0
+    assert core.on_timer(t + 4.99) == []
+    assert len(core.on_timer(t + 5.0)) == 1
+
+
+def test_reports_without_bytes_do_not_reset_the_timer_under_bytes() -> None:
+    core = core_with(period=10.0)
+    report(core, 1.0)
+    for t in (2.0, 5.0, 9.0):
+        core.on_report("sbx-1", 0, 0, 1, t, t)  # an open, silent connection
+    assert core.next_timer() == 11.0
+    assert len(core.on_timer(11.0)) == 1
+    assert core.status_of("sbx-1", 11.0).open_connections == 1
+
+
+def test_open_silent_connection_keeps_it_active_only_under_connections() -> None:
+    core = core_with(period=10.0, activity=Activity.CONNECTIONS)
+    report(core, 1.0, open_=1)  # a byte at 1.0, and the connection stays open, silent (never reported again)
+    assert core.next_timer() is None
+    assert core.on_timer(10_000.0) == []
+    assert core.status_of("sbx-1", 10_000.0).idle_in_s is None
+    # The last connection closes; the feed has no close time, so its receive time counts.
+    assert core.on_report("sbx-1", 0, 0, 0, 1.0, 10_000.5) == []
+    assert core.next_timer() == 10_010.5
+    assert len(core.on_timer(10_010.5)) == 1
+
+
+def test_connections_policy_open_report_wakes_an_idle_sandbox() -> None:
+    core = core_with(period=10.0, activity=Activity.CONNECTIONS)
+    go_idle(core)
+    assert moves(core.on_report("sbx-1", 0, 0, 1, 20.0, 20.0)) == [("sbx-1", IDLE, ACTIVE, Why.TRAFFIC)]
+    core_b = core_with(period=10.0)  # the same report under "bytes" changes nothing
+    go_idle(core_b)
+    assert core_b.on_report("sbx-1", 0, 0, 1, 20.0, 20.0) == []
+
+
+def test_traffic_while_idle_or_stopped_or_waking_goes_back_to_active() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    assert moves(report(core, 11.0)) == [("sbx-1", IDLE, ACTIVE, Why.TRAFFIC)]
+    assert core.next_timer() == 21.0
+    go_idle(core)
+    core.driver_stopping("sbx-1", 22.0)
+    core.driver_stopped("sbx-1", 23.0)
+    assert moves(report(core, 24.0)) == [("sbx-1", STOPPED, ACTIVE, Why.TRAFFIC)]
+    go_idle(core)
+    core.driver_stopped("sbx-1", 35.0)
+    core.wake("sbx-1", 36.0)
+    assert moves(report(core, 37.0)) == [("sbx-1", WAKING, ACTIVE, Why.TRAFFIC)]
+    assert core.driver_ready("sbx-1", 38.0) == []  # already active
+
+
+def test_a_report_from_before_the_stop_changes_no_state_but_its_bytes_count() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    core.driver_stopped("sbx-1", 12.0)
+    assert report(core, 30.0, n=7, age=19.0) == []  # last activity 11.0: the stopped run's
+    s = core.status_of("sbx-1", 30.0)
+    assert (s.state, s.bytes_in, s.bytes_out) == (STOPPED, 7, 7)
+    assert core.on_report("sbx-1", 0, 0, 2, 11.5, 30.5) == []  # its connections died with it
+    assert core.status_of("sbx-1", 30.5).open_connections == 0
+    core.wake("sbx-1", 31.0)
+    assert report(core, 32.0, n=1, age=21.0) == []  # not ready: an old report does not say it runs
+    assert core.state_of("sbx-1") is WAKING
+
+
+def test_becoming_active_restarts_the_period_even_if_the_last_byte_is_old() -> None:
+    core = core_with(period=10.0)
+    report(core, 5.0)
+    go_idle(core)
+    core.driver_stopped("sbx-1", 16.0)
+    core.wake("sbx-1", 100.0)
+    core.driver_ready("sbx-1", 103.0)
+    assert core.next_timer() == 113.0
+
+
+# -- holds ------------------------------------------------------------------------------------
+
+
+def test_hold_keeps_active_then_idle_one_period_after_it_ends() -> None:
+    core = core_with(period=10.0)
+    h = core.hold("sbx-1", 30.0, 0.0)
+    assert (h.hold_until, h.events) == (30.0, [])
+    assert core.next_timer() == 40.0
+    assert core.on_timer(39.99) == []
+    assert core.status_of("sbx-1", 20.0).hold_until == 30.0
+    assert core.status_of("sbx-1", 31.0).hold_until is None  # expired on its own
+    assert len(core.on_timer(40.0)) == 1
+
+
+def test_hold_is_extend_only() -> None:
+    core = core_with(period=10.0)
+    assert core.hold("sbx-1", 100.0, 0.0).hold_until == 100.0
+    assert core.hold("sbx-1", 50.0, 10.0).hold_until == 100.0
+    assert core.next_timer() == 110.0
+    assert core.hold("sbx-1", 100.0, 10.0).hold_until == 110.0
+    assert core.next_timer() == 120.0
+
+
+def test_activity_after_the_hold_end_runs_the_period_from_the_activity() -> None:
+    core = core_with(period=10.0)
+    core.hold("sbx-1", 30.0, 0.0)
+    report(core, 35.0)
+    assert core.next_timer() == 45.0
+    report(core, 20.0)  # activity during the hold: the hold's end is later
+    assert core.next_timer() == 45.0
+
+
+def test_hold_on_idle_or_stopping_goes_active_on_stopped_waits() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    assert moves(core.hold("sbx-1", 5.0, 11.0).events) == [("sbx-1", IDLE, ACTIVE, Why.HOLD)]
+    go_idle(core)
+    core.driver_stopping("sbx-1", 27.0)
+    assert moves(core.hold("sbx-1", 5.0, 28.0).events) == [("sbx-1", STOPPING, ACTIVE, Why.HOLD)]
+    go_idle(core)
+    core.driver_stopped("sbx-1", 44.0)
+    assert core.hold("sbx-1", 100.0, 45.0).events == []  # a hold does not start a sandbox
+    assert core.state_of("sbx-1") is STOPPED
+    core.wake("sbx-1", 46.0)
+    core.driver_ready("sbx-1", 50.0)
+    assert core.next_timer() == 155.0  # the hold counts once it runs
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0, math.inf, math.nan])
+def test_hold_refuses_a_ttl_that_is_not_positive_and_finite(ttl: float) -> None:
+    with pytest.raises(LocalProtocolError) as e:
+        core_with().hold("sbx-1", ttl, 0.0)
+    assert e.value.reason == "bad_hold"
+
+
+# -- incarnations and the registry ------------------------------------------------------------
+
+
+def test_a_new_incarnation_resets_meters_state_and_hold_and_drops_older_reports() -> None:
+    core = core_with(period=10.0)
+    report(core, 1.0, n=100)
+    core.hold("sbx-1", 500.0, 1.0)
+    core.on_timer(600.0)
+    evs = core.register(SandboxConfig("sbx-1", "inc-2", 10.0, registered_at=700.0), 700.0)
+    assert [e.to_json() for e in evs] == [
+        {"sandbox": "sbx-1", "incarnation": "inc-2", "from": "idle", "to": "active", "at": 700.0, "why": "registered"}
+    ]
+    s = core.status_of("sbx-1", 700.0)
+    assert (s.state, s.bytes_in, s.bytes_out, s.hold_until, s.last_activity) == (ACTIVE, 0, 0, None, None)
+    assert core.on_report("sbx-1", 5, 5, 0, 699.9, 701.0) == []  # about inc-1
+    assert core.counters["report_stale_incarnation"] == 1
+    assert core.status_of("sbx-1", 701.0).bytes_in == 0
+    core.on_report("sbx-1", 5, 6, 0, 700.0, 701.0)
+    assert (core.status_of("sbx-1", 701.0).bytes_in, core.status_of("sbx-1", 701.0).bytes_out) == (5, 6)
+    assert core.next_timer() == 710.0  # inc-1's timer entry is gone
+
+
+def test_first_registration_event_has_no_from_state() -> None:
+    core = TimerCore()
+    (ev,) = core.register(SandboxConfig("s", "i", 1.0), 5.0)
+    assert ev.to_json() == {
+        "sandbox": "s",
+        "incarnation": "i",
+        "from": None,
+        "to": "active",
+        "at": 5.0,
+        "why": "registered",
+    }
+
+
+def test_same_incarnation_updates_period_and_policy_keeping_state() -> None:
+    core = core_with(period=100.0)
+    report(core, 10.0, n=3)
+    assert core.register(SandboxConfig("sbx-1", "inc-1", 5.0, registered_at=50.0), 50.0) == []
+    assert core.next_timer() == 15.0  # earlier now
+    assert core.config("sbx-1").registered_at == 0.0  # the incarnation's start stays
+    assert core.status_of("sbx-1", 12.0).bytes_in == 3
+    report(core, 12.0, open_=1)
+    core.register(SandboxConfig("sbx-1", "inc-1", 5.0, Activity.CONNECTIONS), 13.0)
+    assert core.next_timer() is None
+
+
+def test_unknown_sandbox_reports_are_counted_and_calls_refused() -> None:
+    core = core_with()
+    assert core.on_report("nope", 1, 1, 0, 1.0, 1.0) == []
+    assert core.counters["report_unknown_sandbox"] == 1
+    for call in (core.wake, core.driver_stopping, core.driver_stopped, core.driver_ready, core.driver_failed):
+        with pytest.raises(UnknownSandbox):
+            call("nope", 1.0)
+    assert core.remove("sbx-1") and not core.remove("sbx-1")
+    assert core.next_timer() is None and core.on_timer(1e9) == []
+
+
+def test_config_refuses_a_bad_period() -> None:
+    for period in (0.0, -5.0, math.inf, math.nan):
+        with pytest.raises(LocalProtocolError):
+            SandboxConfig("s", "i", period)
+    assert SandboxConfig("s", "i", 1.0, "connections").activity is Activity.CONNECTIONS  # type: ignore[arg-type]
+
+
+def test_snapshot_and_restore_give_the_same_timers_and_status() -> None:
+    core = core_with(period=10.0)
+    report(core, 3.0, n=9)
+    core.hold("sbx-1", 20.0, 4.0)
+    again = TimerCore()
+    again.restore(core.config("sbx-1"), core.snapshot("sbx-1"))
+    assert again.status(5.0) == core.status(5.0)
+    assert again.next_timer() == core.next_timer() == 34.0
+
+
+# -- wake and the driver ----------------------------------------------------------------------
+
+
+def test_fifty_wakes_ask_the_driver_once() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    core.driver_stopping("sbx-1", 11.0)
+    core.driver_stopped("sbx-1", 12.0)
+    outcomes = [core.wake("sbx-1", 20.0 + i / 100) for i in range(50)]
+    assert sum(o.start_driver for o in outcomes) == 1
+    assert [moves(o.events) for o in outcomes if o.events] == [[("sbx-1", STOPPED, WAKING, Why.WAKE)]]
+    assert moves(core.driver_ready("sbx-1", 21.0)) == [("sbx-1", WAKING, ACTIVE, Why.DRIVER)]
+    assert core.wake("sbx-1", 21.5) == ([], False)  # active: nothing to do
+
+
+def test_wake_from_idle_asks_the_driver_too() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    events, start = core.wake("sbx-1", 11.0)
+    assert start and moves(events) == [("sbx-1", IDLE, WAKING, Why.WAKE)]
+
+
+def test_driver_failure_returns_to_where_the_wake_came_from() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    core.wake("sbx-1", 11.0)
+    assert moves(core.driver_failed("sbx-1", 12.0)) == [("sbx-1", WAKING, IDLE, Why.DRIVER)]
+    core.driver_stopped("sbx-1", 13.0)
+    core.wake("sbx-1", 14.0)
+    assert moves(core.driver_failed("sbx-1", 15.0)) == [("sbx-1", WAKING, STOPPED, Why.DRIVER)]
+    assert core.wake("sbx-1", 16.0).start_driver  # the next wake asks again
+    # A stop that completes while waking from idle: a failed start then leaves it stopped.
+    core2 = core_with(period=10.0)
+    go_idle(core2)
+    core2.wake("sbx-1", 11.0)
+    assert core2.driver_stopped("sbx-1", 11.5) == ([], False)
+    assert moves(core2.driver_failed("sbx-1", 12.0)) == [("sbx-1", WAKING, STOPPED, Why.DRIVER)]
+
+
+def test_stop_fence_wake_or_traffic_while_stopping_goes_back_to_active() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    events, proceed = core.driver_stopping("sbx-1", 11.0)
+    assert proceed and moves(events) == [("sbx-1", IDLE, STOPPING, Why.DRIVER)]
+    events, start = core.wake("sbx-1", 12.0)
+    assert not start and moves(events) == [("sbx-1", STOPPING, ACTIVE, Why.WAKE)]
+    assert core.next_timer() == 22.0
+    go_idle(core)
+    core.driver_stopping("sbx-1", 23.0)
+    assert moves(report(core, 24.0)) == [("sbx-1", STOPPING, ACTIVE, Why.TRAFFIC)]
+    # The driver asks again while it is active: refused, the fence holds.
+    assert core.driver_stopping("sbx-1", 25.0) == ([], False)
+    assert core.state_of("sbx-1") is ACTIVE
+
+
+def test_stop_that_went_through_despite_the_fence_is_undone_by_a_start() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    core.driver_stopping("sbx-1", 11.0)
+    core.wake("sbx-1", 12.0)
+    events, start = core.driver_stopped("sbx-1", 13.0)
+    assert start
+    assert moves(events) == [("sbx-1", ACTIVE, STOPPED, Why.DRIVER), ("sbx-1", STOPPED, WAKING, Why.WAKE)]
+    # Without a fence, the platform's word wins and nothing is restarted.
+    core2 = core_with(period=10.0)
+    events, start = core2.driver_stopped("sbx-1", 1.0)
+    assert not start and moves(events) == [("sbx-1", ACTIVE, STOPPED, Why.DRIVER)]
+
+
+def test_driver_stopping_from_stopped_or_waking() -> None:
+    core = core_with(period=10.0)
+    go_idle(core)
+    core.driver_stopped("sbx-1", 11.0)
+    assert core.driver_stopping("sbx-1", 12.0) == ([], True)
+    core.wake("sbx-1", 13.0)
+    assert core.driver_stopping("sbx-1", 14.0) == ([], False)
+
+
+def test_stopped_clears_open_connections() -> None:
+    core = core_with(period=10.0, activity=Activity.CONNECTIONS)
+    report(core, 1.0, open_=3)
+    core.driver_stopped("sbx-1", 2.0)
+    assert core.status_of("sbx-1", 2.0).open_connections == 0
+    core.wake("sbx-1", 3.0)
+    core.driver_ready("sbx-1", 4.0)
+    assert core.next_timer() == 14.0
+
+
+def test_a_full_cycle_is_a_chain_of_single_events() -> None:
+    core = core_with(period=10.0)
+    trail: list[Event] = []
+    trail += core.on_timer(10.0)
+    trail += core.driver_stopping("sbx-1", 11.0).events
+    trail += core.driver_stopped("sbx-1", 12.0).events
+    for i in range(5):
+        trail += core.wake("sbx-1", 13.0 + i).events
+    trail += core.driver_ready("sbx-1", 20.0)
+    trail += report(core, 21.0)
+    trail += core.on_timer(31.0)
+    assert [(e.from_state, e.to_state) for e in trail] == [
+        (ACTIVE, IDLE),
+        (IDLE, STOPPING),
+        (STOPPING, STOPPED),
+        (STOPPED, WAKING),
+        (WAKING, ACTIVE),
+        (ACTIVE, IDLE),
+    ]
+    assert all(a.to_state == b.from_state for a, b in itertools.pairwise(trail))
+
+
+def test_status_rows_and_json_shape() -> None:
+    core = core_with(period=10.0)
+    core.register(SandboxConfig("sbx-0", "x", 5.0), 0.0)
+    report(core, 2.0, n=4, open_=1)
+    rows = core.status(4.0)
+    assert [r.sandbox for r in rows] == ["sbx-0", "sbx-1"]
+    assert rows[1].to_json() == {
+        "sandbox": "sbx-1",
+        "incarnation": "inc-1",
+        "state": "active",
+        "last_activity": 2.0,
+        "bytes_in": 4,
+        "bytes_out": 4,
+        "open_connections": 1,
+        "hold_until": None,
+        "idle_in_s": 8.0,
+    }
+    core.on_timer(100.0)
+    assert core.status_of("sbx-1", 100.0).idle_in_s is None
+
+
+def test_the_transition_table_matches_the_documented_diagram() -> None:
+    targets = {(s, i): t for (s, i), t in TRANSITIONS.items()}
+    assert targets[(ACTIVE, Input.TIMER)] is IDLE
+    assert {s for (s, i) in targets if i is Input.WAKE} == {IDLE, STOPPED, STOPPING}
+    assert all(t is ACTIVE for (s, i), t in targets.items() if i is Input.TRAFFIC)
+    assert (ACTIVE, Input.TRAFFIC) not in targets and (WAKING, Input.WAKE) not in targets
+
+
+# -- the heap ---------------------------------------------------------------------------------
+
+
+def test_next_timer_is_exact_as_deadlines_move_both_ways() -> None:
+    core = TimerCore()
+    for i in range(20):
+        core.register(SandboxConfig(f"s{i}", "i", 100.0 + i), 0.0)
+    assert core.next_timer() == 100.0
+    report(core, 50.0, sid="s0")
+    assert core.next_timer() == 101.0
+    core.register(SandboxConfig("s7", "i", 3.0), 1.0)  # earlier
+    assert core.next_timer() == 3.0
+    core.remove("s7")
+    assert core.next_timer() == 101.0
+    for _ in range(5000):  # many earlier-moving deadlines: the heap stays bounded
+        core.register(SandboxConfig("s3", "i", 200.0), 0.0)
+        core.register(SandboxConfig("s3", "i", 199.0), 0.0)
+    assert len(core._heap) < 2 * len(core) + 1100
+    assert core.next_timer() == 101.0
+
+
+def test_one_hundred_thousand_sandboxes() -> None:
+    """A sanity check of the heap's cost, not a speed assertion."""
+    n = 100_000
+    core = TimerCore()
+    t0 = time.perf_counter()
+    for i in range(n):
+        core.register(SandboxConfig(f"s{i}", "i", 300.0), 0.0)
+    for i in range(n):
+        core.on_report(f"s{i}", 10, 10, 0, float(i % 100), 100.0)
+    assert core.next_timer() == 300.0
+    assert core.on_timer(299.5) == []
+    first = core.on_timer(349.5)  # last activity 0..49
+    assert len(first) == n // 2 and core.next_timer() == 350.0
+    events = first + core.on_timer(400.0)
+    assert len(events) == n and core.next_timer() is None
+    assert len({e.sandbox for e in events}) == n
+    assert time.perf_counter() - t0 < 30.0  # only catches a quadratic blow-up
+
+
+# -- the stateful test against a reference model ------------------------------------------------
+
+
+@dataclass
+class Model:
+    """One sandbox, the rules of docs/scheduler-api.md written out plainly."""
+
+    incarnation: str
+    period: float
+    policy: Activity
+    start: float
+    active_since: float
+    state: State = ACTIVE
+    last: float | None = None
+    hold: float | None = None
+    open: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    stopped_at: float | None = None
+    wake_from: State | None = None
+    fenced: bool = False
+
+    def deadline(self) -> float | None:
+        if self.state is not ACTIVE or (self.policy is Activity.CONNECTIONS and self.open > 0):
+            return None
+        base = self.active_since
+        for t in (self.last, self.hold):
+            if t is not None and t > base:
+                base = t
+        return base + self.period
+
+
+SIDS = ("a", "b", "c")
+TICKS = st.integers(0, 80).map(lambda q: q / 4)  # a quarter-second grid: exact deadlines get hit
+
+
+class TimerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = TimerCore()
+        self.models: dict[str, Model] = {}
+        self.now = 0.0
+        self.inc = 0
+
+    # The model's transitions: each returns the (sandbox, from, to, why) it produced.
+    def go(self, sid: str, to: State, why: Why) -> tuple[str, State | None, State, Why]:
+        m = self.models[sid]
+        frm = m.state
+        if to is ACTIVE:
+            m.active_since = self.now
+            m.fenced = m.fenced or frm is STOPPING
+        if to is WAKING:
+            m.wake_from = frm
+        if frm is WAKING:
+            m.wake_from = None
+        if to is IDLE:
+            m.fenced = False
+        if to is STOPPED:
+            m.stopped_at, m.open, m.fenced = self.now, 0, False
+        m.state = to
+        return (sid, frm, to, why)
+
+    def check(self, events: list[Event], expected: list[tuple[str, State | None, State, Why]]) -> None:
+        assert moves(events) == expected
+        assert all(e.at == self.now for e in events)
+
+    @rule(dt=TICKS)
+    def advance(self, dt: float) -> None:
+        self.now += dt
+
+    @rule()
+    def advance_to_the_next_timer(self) -> None:
+        at = self.core.next_timer()
+        if at is not None and at > self.now:
+            self.now = at
+
+    @rule(sid=st.sampled_from(SIDS), period=st.integers(1, 40).map(lambda q: q / 4), policy=st.sampled_from(Activity))
+    def register_new(self, sid: str, period: float, policy: Activity) -> None:
+        self.inc += 1
+        old = self.models.get(sid)
+        events = self.core.register(SandboxConfig(sid, f"i{self.inc}", period, policy, self.now), self.now)
+        self.models[sid] = Model(f"i{self.inc}", period, policy, self.now, self.now)
+        self.check(events, [(sid, None if old is None else old.state, ACTIVE, Why.REGISTERED)])
+
+    @precondition(lambda self: self.models)
+    @rule(data=st.data(), period=st.integers(1, 40).map(lambda q: q / 4), policy=st.sampled_from(Activity))
+    def register_same(self, data: st.DataObject, period: float, policy: Activity) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.models)))
+        m = self.models[sid]
+        assert self.core.register(SandboxConfig(sid, m.incarnation, period, policy, self.now), self.now) == []
+        m.period, m.policy = period, policy
+
+    @rule(sid=st.sampled_from(SIDS))
+    def remove(self, sid: str) -> None:
+        assert self.core.remove(sid) == (self.models.pop(sid, None) is not None)
+
+    @rule(
+        sid=st.sampled_from((*SIDS, "unknown")),
+        b_in=st.integers(0, 3),
+        b_out=st.integers(0, 3),
+        open_=st.integers(0, 2),
+        age=TICKS,
+    )
+    def report(self, sid: str, b_in: int, b_out: int, open_: int, age: float) -> None:
+        last = self.now - age
+        unknown = self.core.counters["report_unknown_sandbox"]
+        stale = self.core.counters["report_stale_incarnation"]
+        events = self.core.on_report(sid, b_in, b_out, open_, last, self.now)
+        m = self.models.get(sid)
+        if m is None:
+            assert self.core.counters["report_unknown_sandbox"] == unknown + 1
+            return self.check(events, [])
+        if last < m.start:
+            assert self.core.counters["report_stale_incarnation"] == stale + 1
+            return self.check(events, [])
+        m.bytes_in += b_in
+        m.bytes_out += b_out
+        expected = []
+        if m.stopped_at is None or last > m.stopped_at:
+            was, m.open = m.open, open_
+            times = [last] if b_in + b_out > 0 else []
+            if m.policy is Activity.CONNECTIONS and (open_ > 0 or was > 0):
+                times.append(self.now)
+            if times:
+                m.last = max([*times, *([m.last] if m.last is not None else [])])
+                if m.state is not ACTIVE:
+                    expected.append(self.go(sid, ACTIVE, Why.TRAFFIC))
+        self.check(events, expected)
+
+    @precondition(lambda self: any(m.stopped_at is not None for m in self.models.values()))
+    @rule(data=st.data(), b=st.integers(0, 3), open_=st.integers(0, 2), where=st.sampled_from((0.0, 0.5, 1.0)))
+    def report_about_the_stopped_run(self, data: st.DataObject, b: int, open_: int, where: float) -> None:
+        """A late report whose activity lies between the incarnation's start and its last stop."""
+        sid = data.draw(st.sampled_from(sorted(s for s, m in self.models.items() if m.stopped_at is not None)))
+        m = self.models[sid]
+        assert m.stopped_at is not None
+        last = m.start + (m.stopped_at - m.start) * where
+        self.now += 0.25
+        self.check(self.core.on_report(sid, b, b, open_, last, self.now), [])
+        m.bytes_in += b
+        m.bytes_out += b
+
+    @precondition(lambda self: self.models)
+    @rule(data=st.data(), ttl=st.integers(1, 80).map(lambda q: q / 4))
+    def hold(self, data: st.DataObject, ttl: float) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.models)))
+        m = self.models[sid]
+        out = self.core.hold(sid, ttl, self.now)
+        m.hold = self.now + ttl if m.hold is None else max(m.hold, self.now + ttl)
+        assert out.hold_until == m.hold
+        self.check(out.events, [self.go(sid, ACTIVE, Why.HOLD)] if m.state in (IDLE, STOPPING) else [])
+
+    @precondition(lambda self: self.models)
+    @rule(data=st.data())
+    def wake(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.models)))
+        m = self.models[sid]
+        events, start = self.core.wake(sid, self.now)
+        if m.state in (IDLE, STOPPED):
+            self.check(events, [self.go(sid, WAKING, Why.WAKE)])
+            assert start
+        elif m.state is STOPPING:
+            self.check(events, [self.go(sid, ACTIVE, Why.WAKE)])
+            assert not start
+        else:
+            self.check(events, [])
+            assert not start
+
+    @precondition(lambda self: self.models)
+    @rule(data=st.data())
+    def driver_stopping(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.models)))
+        m = self.models[sid]
+        events, proceed = self.core.driver_stopping(sid, self.now)
+        m.fenced = False
+        self.check(events, [self.go(sid, STOPPING, Why.DRIVER)] if m.state is IDLE else [])
+        assert proceed == (m.state in (STOPPING, STOPPED))
+
+    @precondition(lambda self: self.models)
+    @rule(data=st.data())
+    def driver_stopped(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.models)))
+        m = self.models[sid]
+        events, start = self.core.driver_stopped(sid, self.now)
+        restart = m.fenced and m.state is ACTIVE
+        expected = []
+        if m.state is WAKING:
+            m.stopped_at, m.open, m.wake_from = self.now, 0, STOPPED
+        elif m.state is STOPPED:
+            m.stopped_at, m.open = self.now, 0
+        else:
+            expected.append(self.go(sid, STOPPED, Why.DRIVER))
+            if restart:
+                expected.append(self.go(sid, WAKING, Why.WAKE))
+        self.check(events, expected)
+        assert start == restart
+
+    @precondition(lambda self: self.models)
+    @rule(data=st.data())
+    def driver_ready(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.models)))
+        m = self.models[sid]
+        ok = m.state in (WAKING, STOPPED, STOPPING)
+        self.check(self.core.driver_ready(sid, self.now), [self.go(sid, ACTIVE, Why.DRIVER)] if ok else [])
+
+    @precondition(lambda self: self.models)
+    @rule(data=st.data())
+    def driver_failed(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.models)))
+        m = self.models[sid]
+        expected = []
+        if m.state is WAKING:
+            assert m.wake_from in (IDLE, STOPPED)
+            expected.append(self.go(sid, m.wake_from, Why.DRIVER))
+        self.check(self.core.driver_failed(sid, self.now), expected)
+
+    @rule()
+    def on_timer(self) -> None:
+        events = self.core.on_timer(self.now)
+        due = []
+        for sid, m in sorted(self.models.items()):
+            d = m.deadline()
+            if d is not None and d <= self.now:
+                due.append(self.go(sid, IDLE, Why.IDLE_TIMER))
+        self.check(sorted(events, key=lambda e: e.sandbox), due)
+
+    @invariant()
+    def next_timer_is_the_true_earliest_deadline(self) -> None:
+        deadlines = [d for m in self.models.values() if (d := m.deadline()) is not None]
+        assert self.core.next_timer() == (min(deadlines) if deadlines else None)
+
+    @invariant()
+    def status_matches_the_model(self) -> None:
+        rows = {r.sandbox: r for r in self.core.status(self.now)}
+        assert rows.keys() == self.models.keys()
+        for sid, m in self.models.items():
+            r = rows[sid]
+            d = m.deadline()
+            hold = m.hold if m.hold is not None and m.hold > self.now else None
+            assert (r.incarnation, r.state, r.bytes_in, r.bytes_out, r.open_connections) == (
+                m.incarnation,
+                m.state,
+                m.bytes_in,
+                m.bytes_out,
+                m.open,
+            )
+            assert (r.last_activity, r.hold_until) == (m.last, hold)
+            assert r.idle_in_s == (None if d is None else max(0.0, d - self.now))
+
+
+TimerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+test_timer_machine = TimerMachine.TestCase
