@@ -1,0 +1,145 @@
+"""Routing: where one request (or one raw TCP connection) goes, decided from names and a route.
+
+Pure: names and a looked-up ``Route`` in, a decision out. No sockets, no clocks, no lookups; the caller
+looks the route up (``route_cache.py``, then the scheduler) between the two steps of a request.
+
+An HTTP request is routed in two steps:
+
+1. ``request_target`` (before any lookup): which name the request asks for. Its authority (Host,
+   ``:authority`` or an absolute-form target, ``names.Names.request_name``) is parsed; a malformed one is
+   answered 400. Then it is held to the connection's TLS server name: browsers reuse one HTTP/2 connection
+   for every name a wildcard certificate covers at the same address (RFC 9113 section 9.1.1), so a request
+   on a connection made for ``a.<domain>`` may ask for ``b.<domain>``. Such a request, and one for another
+   port of the same sandbox, is answered 421 (Misdirected Request: the browser retries it on a connection
+   of its own), so it can never reach the connection's first sandbox. Names are compared as parsed, so
+   ``a.<domain>`` and ``<default port>-a.<domain>`` are different names here (421, then a connection each).
+   A connection without a server name routes each request by its own authority (the front must then key
+   its upstream connections by the decision's sandbox and port, never by the client connection).
+2. ``decide_http`` (after looking up the name's sandbox): 404 for an unknown sandbox or a port the route
+   does not expose, 404 for a raw TCP port asked for over HTTP, otherwise ``Forward``.
+
+A raw TCP connection is routed by its server name alone, at the handshake (``decide_connection``): only a
+port whose protocol is ``tcp`` is forwarded raw; everything else is served as HTTP, where each request is
+routed (and refused) as above.
+
+Answer reason tokens (``Answer.reason``; stable, counted by metrics): a ``names`` reason for a 400;
+``misdirected`` (421); ``unknown_sandbox``, ``port_not_exposed``, ``not_http`` (404); ``route_mismatch``
+(502: the route given is not the named sandbox's, a bug upstream of this module); for a raw connection
+``Close.reason`` ``bad_tcp_auth``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.names import Name, NameRefused, Names
+from sbxnet.protocol.routes import Auth, Protocol, Route
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer the gateway gives itself: nothing goes upstream."""
+
+    status: int
+    reason: str  # a stable token for metrics
+    message: str  # one line for the body; never the peer's text
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Forward the request to ``port`` of ``sandbox``; authenticate it first as ``auth`` says."""
+
+    route: Route
+    sandbox: str
+    port: int
+    protocol: Protocol  # "http" or "h2c": how to speak to the sandbox's app
+    auth: Auth  # "public" or "token"
+
+
+@dataclass(frozen=True)
+class RawForward:
+    """Forward the connection's bytes to ``port`` of ``sandbox``: no ALPN, no HTTP."""
+
+    route: Route
+    sandbox: str
+    port: int
+    require_client_cert: bool  # the port's auth is "client_cert"
+
+
+@dataclass(frozen=True)
+class ServeHttp:
+    """Serve the connection as HTTP (ALPN h2 / http/1.1); each request is routed on its own."""
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the raw connection without forwarding anything."""
+
+    reason: str
+
+
+SERVE_HTTP = ServeHttp()
+
+
+def bad_authority(err: NameRefused) -> Answer:
+    """The 400 for a request whose authority ``names`` refused."""
+    return Answer(400, err.reason, f"bad request authority ({err.reason})")
+
+
+def request_target(
+    names: Names,
+    conn: Name | None,
+    *,
+    target: str | bytes,
+    hosts: Sequence[str | bytes],
+    authority: str | bytes | None = None,
+    http2: bool = False,
+    http10: bool = False,
+) -> Name | Answer:
+    """Step 1: the name this request asks for, or the answer that refuses it (400, 421).
+
+    ``conn`` is the connection's parsed server name (None: the client sent none). An HTTP/1.0 request
+    without Host is routed by ``conn``; without either it is refused (``missing_host``)."""
+    try:
+        name = names.request_name(target, hosts, authority=authority, http2=http2, http10=http10)
+    except NameRefused as e:
+        return bad_authority(e)
+    if name is None:
+        if conn is None:
+            return Answer(400, "missing_host", "bad request authority (missing_host)")
+        return conn
+    if conn is not None and name != conn:
+        return Answer(421, "misdirected", "this connection serves another name: open a new connection")
+    return name
+
+
+def decide_http(name: Name, route: Route | None) -> Forward | Answer:
+    """Step 2: ``route`` is the lookup of ``name.sandbox`` (None: the scheduler does not know it)."""
+    if route is None:
+        return Answer(404, "unknown_sandbox", "unknown sandbox")
+    if route.sandbox != name.sandbox:
+        return Answer(502, "route_mismatch", "the route found is for another sandbox")
+    spec = route.port_spec(name.port)
+    port = route.default_port if name.port is None else name.port
+    if spec is None:
+        return Answer(404, "port_not_exposed", f"port {port} is not exposed")
+    if spec.protocol == "tcp":
+        return Answer(404, "not_http", f"port {port} is raw TCP over TLS, not HTTP")
+    return Forward(route, name.sandbox, port, spec.protocol, spec.auth)
+
+
+def decide_connection(conn: Name | None, route: Route | None) -> RawForward | ServeHttp | Close:
+    """At the handshake: raw TCP for a server name whose port is ``tcp``, otherwise HTTP.
+
+    ``route`` is the lookup of ``conn.sandbox`` (None when unknown, or when there is no server name).
+    An unknown sandbox or an unexposed port is served as HTTP, so a browser reads the 404."""
+    if conn is None or route is None or route.sandbox != conn.sandbox:
+        return SERVE_HTTP
+    spec = route.port_spec(conn.port)
+    if spec is None or spec.protocol != "tcp":
+        return SERVE_HTTP
+    if spec.auth not in ("public", "client_cert"):
+        return Close("bad_tcp_auth")
+    port = route.default_port if conn.port is None else conn.port
+    return RawForward(route, conn.sandbox, port, require_client_cert=spec.auth == "client_cert")
