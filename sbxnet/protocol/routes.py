@@ -37,8 +37,10 @@ MAX_BODY = 64 * 1024
 MAX_PORTS = 64
 DEFAULT_CONNECT_DEADLINE_S = 10.0
 
-# The preamble's sandbox-ID alphabet without '.', since gateway names are <port>-<sandbox>.<domain>.
-_SANDBOX = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# A sandbox ID must be reachable as a host name label: <sandbox>.<domain> and <port>-<sandbox>.<domain>.
+# So: lower case (names are case-insensitive), no '.', at most 57 characters (a "65535-" prefix keeps the
+# label within DNS's 63), and not itself "<digits>-..." (that would read as the port form).
+_SANDBOX = re.compile(r"(?![0-9]+-)[a-z0-9_][a-z0-9_-]{0,56}")
 _INCARNATION = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -116,7 +118,7 @@ class Registration:
 
 def check_sandbox_id(value: object) -> str:
     if not isinstance(value, str) or not _SANDBOX.fullmatch(value):
-        raise RouteError("bad_sandbox", "1..64 of [A-Za-z0-9_-]")
+        raise RouteError("bad_sandbox", "1..57 of [a-z0-9_-], not starting with digits and '-'")
     return value
 
 

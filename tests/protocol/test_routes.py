@@ -135,9 +135,11 @@ def test_route_answer_checks_its_own_fields() -> None:
         assert e.value.reason == reason
 
 
-def test_sandbox_ids_have_no_dots() -> None:
-    assert check_sandbox_id("sbx_1-A") == "sbx_1-A"
-    for bad in ("", "a.b", "a" * 65, "é", None):
+def test_sandbox_ids_are_reachable_host_name_labels() -> None:
+    assert check_sandbox_id("sbx_1-a") == "sbx_1-a"
+    assert check_sandbox_id("8080") == "8080" and check_sandbox_id("a" * 57)
+    # Upper case (host names are case-insensitive), the port form, and labels over DNS's 63 with a port.
+    for bad in ("", "a.b", "a" * 58, "é", None, "Sbx", "8080-web", "-x"):
         with pytest.raises(RouteError):
             check_sandbox_id(bad)
 
