@@ -13,6 +13,7 @@ which is how raw TCP routes are told apart from HTTP ones after the handshake.
 from __future__ import annotations
 
 import ssl
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,29 +51,32 @@ def _dns_sans(cert_file: Path) -> tuple[str, ...]:
     return names
 
 
-def _context(pair: CertPair) -> ssl.SSLContext:
+def _context(pair: CertPair, alpn: Sequence[str]) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(certfile=str(pair.cert_file), keyfile=str(pair.key_file))
-    ctx.set_alpn_protocols(list(ALPN))
+    ctx.set_alpn_protocols(list(alpn))
     return ctx
 
 
-def _load(pairs: Sequence[CertPair]) -> _Loaded:
+def _load(pairs: Sequence[CertPair], alpn: Sequence[str]) -> _Loaded:
     if not pairs:
         raise ValueError("the gateway needs at least one certificate")
-    return _Loaded(tuple(_dns_sans(p.cert_file) for p in pairs), tuple(_context(p) for p in pairs))
+    return _Loaded(tuple(_dns_sans(p.cert_file) for p in pairs), tuple(_context(p, alpn) for p in pairs))
 
 
 class FrontTls:
     """The listening context (``context``) and the certificate set behind it."""
 
-    def __init__(self, pairs: Sequence[CertPair]) -> None:
+    def __init__(self, pairs: Sequence[CertPair], *, alpn: Sequence[str] = ALPN) -> None:
         self._pairs = tuple(pairs)
-        self._set = Reloadable(lambda: _load(self._pairs))
+        self.alpn = tuple(alpn)
+        self._set = Reloadable(lambda: _load(self._pairs, self.alpn))
+        # The SNI each connection sent, by its SSL object: routing needs it after the handshake.
+        self._server_names: weakref.WeakKeyDictionary[object, str | None] = weakref.WeakKeyDictionary()
         # The context the listener wraps with: the default certificate, and the SNI switch. It is never
         # replaced, so a reload needs no new listener; the callback reads the current set each time.
-        self.context = _context(self._pairs[0])
+        self.context = _context(self._pairs[0], self.alpn)
         self.context.sni_callback = self._on_sni
 
     @property
@@ -81,7 +85,12 @@ class FrontTls:
 
     def _on_sni(self, obj: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _ctx: ssl.SSLContext) -> None:
         loaded = self._set.current
+        self._server_names[obj] = server_name
         obj.context = loaded.contexts[choose(server_name, loaded.names)]
+
+    def server_name(self, obj: ssl.SSLObject | ssl.SSLSocket) -> str | None:
+        """The server name (SNI) the client sent on the connection of ``obj``; None if it sent none."""
+        return self._server_names.get(obj)
 
     def reload(self) -> BaseException | None:
         """Load every certificate again; on any failure keep the current set and return the error."""

@@ -85,14 +85,16 @@ def served_sans(c: ssl.SSLObject) -> set[str]:
 )
 def test_the_certificate_follows_sni(pki: Path, sni: str, want: set[str]) -> None:
     front = FrontTls(pairs(pki, "wild", "exact", "other"))
-    c, _ = handshake(front, client(pki), sni)  # the client verifies the name: a wrong certificate fails here
+    c, s = handshake(front, client(pki), sni)  # the client verifies the name: a wrong certificate fails here
     assert served_sans(c) == want
+    assert front.server_name(s) == sni
 
 
 def test_no_sni_or_an_unknown_name_gets_the_default_certificate(pki: Path) -> None:
     front = FrontTls(pairs(pki, "other", "wild"))
-    c, _ = handshake(front, client(pki), None)
+    c, s = handshake(front, client(pki), None)
     assert served_sans(c) == {"*.other.test", "other.test"}
+    assert front.server_name(s) is None
     with pytest.raises(ssl.SSLCertVerificationError):
         handshake(front, client(pki), "unknown.example")
 
@@ -111,6 +113,12 @@ def test_alpn_h2_http11_or_none_for_raw_routes(pki: Path, offer: list[str] | Non
     c, s = handshake(FrontTls(pairs(pki, "wild")), client(pki, alpn=offer), "22-a.sbx.test")
     assert s.selected_alpn_protocol() == chosen
     assert c.selected_alpn_protocol() == chosen
+
+
+def test_alpn_can_be_narrowed_to_http11(pki: Path) -> None:
+    front = FrontTls(pairs(pki, "wild"), alpn=("http/1.1",))
+    _, s = handshake(front, client(pki, alpn=["h2", "http/1.1"]), "a.sbx.test")
+    assert s.selected_alpn_protocol() == "http/1.1"
 
 
 def test_reload_swaps_the_set_and_keeps_it_when_a_file_is_bad(pki: Path, tmp_path: Path) -> None:
