@@ -1,0 +1,259 @@
+"""A TLS stream over memory BIOs on a non-blocking socket, for asyncio (default loop and uvloop).
+
+asyncio's own SSL transports cannot half-close (``can_write_eof()`` is False), and the gateway must
+forward a half-close as a half-close: ``write_eof`` sends close_notify, then a TCP FIN, and reading
+goes on. So OpenSSL only ever sees memory BIOs, and we move the ciphertext with ``sock_recv`` /
+``sock_sendall``.
+
+One task may read while another writes. Ciphertext leaves the outgoing BIO in order: whoever holds
+the send lock takes everything OpenSSL has produced so far and sends it before letting go, so bytes
+taken later were produced later. ``read`` decrypts every complete record it is given into a buffer of
+its own, so the incoming BIO never holds a whole record between calls: ``write_eof`` (OpenSSL's
+``SSL_shutdown``, which tries to read the peer's close_notify) then finds nothing it could swallow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import struct
+from collections.abc import Coroutine
+from typing import Any, Literal, TypeVar
+
+_T = TypeVar("_T")
+
+RECV_SIZE = 256 * 1024
+# Plaintext handed to OpenSSL per write: bounds the ciphertext held in the outgoing BIO.
+WRITE_CHUNK = 256 * 1024
+# How long a failed handshake waits to deliver OpenSSL's alert before closing.
+ALERT_GRACE = 0.5
+
+Eof = Literal["close_notify", "tcp_eof"]
+
+
+class TlsStream:
+    """One TLS connection. ``read`` and ``write`` may run concurrently from two tasks; each of them
+    (and ``write_eof``) from one task at a time."""
+
+    ssl_object: ssl.SSLObject
+    sock: socket.socket
+    eof: Eof | None
+
+    def __init__(
+        self, sock: socket.socket, ssl_object: ssl.SSLObject, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO
+    ) -> None:
+        self.sock = sock
+        self.ssl_object = ssl_object
+        self.eof = None
+        self._incoming = incoming
+        self._outgoing = outgoing
+        self._loop = asyncio.get_running_loop()
+        self._send_lock = asyncio.Lock()
+        self._plain = bytearray()
+        self._rx_error: BaseException | None = None
+        self._write_closed = False
+        self._closed = False
+        self._inflight: set[asyncio.Task[Any]] = set()
+
+    # -- handshake ------------------------------------------------------------------------------
+
+    @classmethod
+    async def accept(cls, sock: socket.socket, ctx: ssl.SSLContext, *, timeout: float) -> TlsStream:
+        """Server-side handshake on ``sock``. Raises ssl.SSLError, OSError or TimeoutError (after
+        ``timeout`` seconds), and closes ``sock`` on any failure."""
+        return await cls._handshake(sock, ctx, server_side=True, server_hostname=None, timeout=timeout)
+
+    @classmethod
+    async def connect(
+        cls, sock: socket.socket, ctx: ssl.SSLContext, *, server_hostname: str | None, timeout: float
+    ) -> TlsStream:
+        """Client-side handshake on ``sock`` (already TCP-connected). Errors as for ``accept``."""
+        return await cls._handshake(sock, ctx, server_side=False, server_hostname=server_hostname, timeout=timeout)
+
+    @classmethod
+    async def _handshake(
+        cls,
+        sock: socket.socket,
+        ctx: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_hostname: str | None,
+        timeout: float,
+    ) -> TlsStream:
+        try:
+            sock.setblocking(False)
+            incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+            obj = ctx.wrap_bio(incoming, outgoing, server_side=server_side, server_hostname=server_hostname)
+            stream = cls(sock, obj, incoming, outgoing)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            async with asyncio.timeout(timeout):
+                await stream._do_handshake()
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def _do_handshake(self) -> None:
+        while True:
+            try:
+                self.ssl_object.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                data = await self._recv()
+                if not data:
+                    raise ConnectionAbortedError("eof during the TLS handshake") from None
+                self._incoming.write(data)
+            except ssl.SSLError:
+                # Best effort: let the peer see OpenSSL's alert.
+                try:
+                    async with asyncio.timeout(ALERT_GRACE):
+                        await self._flush()
+                except (OSError, TimeoutError):
+                    pass
+                raise
+        # The client's Finished; on a TLS 1.3 server, the session tickets.
+        await self._flush()
+
+    # -- reading --------------------------------------------------------------------------------
+
+    async def read(self, n: int = 65536) -> bytes:
+        """Up to ``n`` bytes of plaintext, as soon as any is available; b"" at end of stream (then
+        ``eof`` says whether the peer sent close_notify or only a TCP FIN). Post-handshake messages
+        (session tickets, key updates) are consumed here, and whatever OpenSSL answers is sent.
+        A reset or a TLS error (the peer's alert, a bad record) raises OSError / ssl.SSLError."""
+        while True:
+            if self._plain:
+                out = bytes(self._plain[:n])
+                del self._plain[:n]
+                return out
+            if self._rx_error is not None:
+                raise self._rx_error
+            if self.eof is not None:
+                return b""
+            data = await self._recv()
+            if not data:
+                self.eof = "tcp_eof"
+                self._incoming.write_eof()
+                continue
+            self._incoming.write(data)
+            self._drain()
+            if self._outgoing.pending:
+                await self._flush()
+
+    def _drain(self) -> None:
+        """Decrypt every complete record in the incoming BIO into ``_plain``."""
+        if self.eof is not None or self._rx_error is not None:
+            return
+        while True:
+            try:
+                chunk = self.ssl_object.read(RECV_SIZE)
+            except ssl.SSLWantReadError:
+                return
+            except ssl.SSLZeroReturnError:
+                self.eof = "close_notify"
+                return
+            except ssl.SSLError as e:
+                self._rx_error = e
+                return
+            if not chunk:
+                self.eof = "close_notify"
+                return
+            self._plain += chunk
+
+    # -- writing --------------------------------------------------------------------------------
+
+    async def write(self, data: bytes | memoryview) -> None:
+        """Encrypt and send all of ``data``; returns when the socket has taken it. BrokenPipeError
+        after ``write_eof``; OSError if the peer reset."""
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), WRITE_CHUNK):
+            if self._write_closed:
+                raise BrokenPipeError("write after write_eof")
+            self.ssl_object.write(view[start : start + WRITE_CHUNK])
+            await self._flush()
+
+    async def write_eof(self) -> None:
+        """Send close_notify, then shut the socket down for writing. Reading still works after it.
+        A second call does nothing."""
+        if self._write_closed:
+            return
+        self._write_closed = True
+        # Records already in the incoming BIO go to _plain first: SSL_shutdown would discard them.
+        self._drain()
+        try:
+            self.ssl_object.unwrap()
+        except ssl.SSLWantReadError:
+            pass  # close_notify sent; the peer's has not come yet
+        async with self._send_lock:
+            await self._send_pending()
+            self.sock.shutdown(socket.SHUT_WR)
+
+    async def _flush(self) -> None:
+        async with self._send_lock:
+            await self._send_pending()
+
+    async def _send_pending(self) -> None:
+        data = self._outgoing.read()
+        if not data:
+            return
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        if n < len(data):
+            await self._wait(self._loop.sock_sendall(self.sock, memoryview(data)[n:]))
+
+    async def _recv(self) -> bytes:
+        try:
+            return self.sock.recv(RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            pass
+        return await self._wait(self._loop.sock_recv(self.sock, RECV_SIZE))
+
+    async def _wait(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Await a socket operation as a task that ``close`` can end: a pending sock_recv or
+        sock_sendall would otherwise never finish once the socket is closed."""
+        if self._closed:
+            coro.close()
+            raise ConnectionAbortedError("the TLS stream is closed")
+        task = self._loop.create_task(coro)
+        self._inflight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._closed and task.cancelled() and (current is None or not current.cancelling()):
+                raise ConnectionAbortedError("the TLS stream is closed") from None
+            raise
+        finally:
+            self._inflight.discard(task)
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Close at once with a TCP reset (SO_LINGER 0)."""
+        if not self._closed and self.sock.fileno() != -1:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        """Close the socket without close_notify. Pending ``read``/``write`` calls raise
+        ConnectionAbortedError."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.sock.fileno() != -1:
+            # Unregister first: the cancelled operations must not unregister a reused fd later.
+            self._loop.remove_reader(self.sock)
+            self._loop.remove_writer(self.sock)
+        for task in self._inflight:
+            task.cancel()
+        self.sock.close()
