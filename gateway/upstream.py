@@ -36,6 +36,7 @@ from sbxnet.protocol.link import GatewaySequence
 from sbxnet.protocol.preamble import Preamble
 from sbxnet.protocol.routes import Route
 from sbxnet.protocol.status import Status, StatusError
+from sbxnet.tls_stream import TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
 
@@ -69,15 +70,11 @@ class UpstreamFailed(SbxnetError):
 
 @dataclass
 class Upstream:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
+    stream: TlsStream  # the link, after the OK: tenant bytes both ways, half-close as half-close
     leftover: bytes  # tenant bytes that came with the status: the first of the response
     attempts: int
     elapsed: float  # from the first SYN to the OK
     failures: list[str] = field(default_factory=list)  # why each earlier attempt failed, in order
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 def jittered(delays: Iterator[float], rng: random.Random, jitter: float) -> Iterator[float]:
@@ -120,7 +117,7 @@ async def open_upstream(
             failures.append(f"connect_{connected.last_error}")
             raise _give_up(failures, attempts)
         try:
-            reader, writer, leftover = await _attempt(connected.sock, route, wire, policy, loop.time())
+            stream, leftover = await _attempt(connected.sock, route, wire, policy, loop.time())
         except _Retry as r:
             failures.append(r.reason)
             wait = min(next(waits), deadline - loop.time())
@@ -130,52 +127,49 @@ async def open_upstream(
         except UpstreamFailed as e:
             e.attempts = attempts
             raise
-        return Upstream(reader, writer, leftover, attempts, loop.time() - start, failures)
+        return Upstream(stream, leftover, attempts, loop.time() - start, failures)
 
 
 async def _attempt(
     sock: socket.socket, route: Route, wire: bytes, policy: UpstreamPolicy, now: float
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+) -> tuple[TlsStream, bytes]:
     loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.open_connection(
-            sock=sock, ssl=policy.context, server_hostname="", ssl_handshake_timeout=policy.handshake_timeout
-        )
+        stream = await TlsStream.connect(sock, policy.context, server_hostname=None, timeout=policy.handshake_timeout)
     except (ssl.SSLError, OSError, TimeoutError) as e:
         _close_raw(sock)
         raise _Retry("handshake_failed") from e
     try:
-        tls = writer.get_extra_info("ssl_object")
         try:
-            check_pin(tls, {route.forwarder.spki_pin})
+            check_pin(stream.ssl_object, {route.forwarder.spki_pin})
         except PinMismatch:
             raise _Retry("pin_mismatch") from None
         seq = GatewaySequence(wire, now=now, timeout=policy.status_timeout)
-        writer.write(seq.start())
+        await stream.write(seq.start())
         answer = None
         async with asyncio.timeout_at(seq.deadline):
             while answer is None:
-                data = await reader.read(4096)
+                data = await stream.read()
                 if not data:
                     raise _Retry("closed_before_status")
                 answer = seq.receive_data(data, loop.time())
     except TimeoutError:
-        writer.transport.abort()
+        stream.abort()
         raise UpstreamFailed(
             "status_timeout", "the forwarder did not answer", http_status=504, retry_after=None, attempts=0
         ) from None
     except StatusError as e:
-        writer.transport.abort()
+        stream.abort()
         raise UpstreamFailed(e.reason, "malformed status", http_status=502, retry_after=None, attempts=0) from None
     except _Retry:
-        writer.transport.abort()
+        stream.abort()
         raise
     except (OSError, ssl.SSLError) as e:
-        writer.transport.abort()
+        stream.abort()
         raise _Retry("reset_before_status") from e
     if answer.status is Status.OK:
-        return reader, writer, answer.leftover
-    writer.transport.abort()
+        return stream, answer.leftover
+    stream.abort()
     if answer.status.retryable:
         raise _Retry(answer.status.name.lower())
     reason = _NO_RETRY.get(answer.status, "forwarder_refused")

@@ -88,10 +88,15 @@ def echo(conn: socket.socket) -> None:
 
 async def roundtrip(r: Route, port: int, p: Preamble, pol: UpstreamPolicy) -> tuple[bytes, int, list[str]]:
     up = await open_upstream(r, port, p, pol, rng=random.Random(1))
-    up.writer.write(b"hello")
-    got = up.leftover + await up.reader.readexactly(5 - len(up.leftover))
-    up.writer.close()
-    await up.writer.wait_closed()
+    await up.stream.write(b"hello")
+    got = up.leftover
+    while len(got) < 5:
+        chunk = await up.stream.read()
+        assert chunk
+        got += chunk
+    await up.stream.write_eof()
+    assert await up.stream.read() == b""  # the echo app ends its side after ours: half-close both ways
+    up.stream.close()
     return got, up.attempts, up.failures
 
 
