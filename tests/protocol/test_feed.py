@@ -1,0 +1,390 @@
+"""The idle feed's codec (sbxnet/protocol/feed.py): golden bytes, round trips, every refusal, epochs."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from feed_cases import (
+    ANSWER_GOLDEN,
+    ANSWER_REFUSALS,
+    BATCH_REFUSALS,
+    EPOCH,
+    EQUIVALENT,
+    GOLDEN,
+    RAND8,
+    START_NS,
+    body,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sbxnet.errors import LocalProtocolError, RemoteProtocolError
+from sbxnet.protocol import feed
+from sbxnet.protocol.feed import (
+    COUNT_MAX,
+    IDLE_S_MAX,
+    MAX_ANSWER_BYTES,
+    MAX_BODY_BYTES,
+    MAX_SANDBOXES,
+    Answer,
+    Batch,
+    FeedError,
+    SandboxReport,
+    epoch_is_newer,
+    epoch_start_ns,
+    is_epoch,
+    is_sandbox_id,
+    new_epoch,
+    pull_answer,
+    pull_batch,
+    push_answer,
+    push_batch,
+)
+
+# --- golden bytes and equivalents ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "batch", "data"), GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_golden(name: str, batch: Batch, data: bytes) -> None:
+    assert push_batch(batch) == data
+    assert pull_batch(data) == batch
+
+
+@pytest.mark.parametrize(("name", "batch", "data"), GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_golden_agrees_with_json_module(name: str, batch: Batch, data: bytes) -> None:
+    # An independent encoder as the oracle: json.dumps of the same object, compact, in the fixed key order.
+    obj = {
+        "epoch": batch.epoch,
+        "seq": batch.seq,
+        "sandboxes": [
+            {"sandbox": r.sandbox, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "open": r.open,
+             "idle_s": float(r.idle_s)}
+            for r in batch.sandboxes
+        ],
+    }
+    assert json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() == data
+
+
+@pytest.mark.parametrize(("name", "batch", "data"), GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_every_proper_prefix_is_refused(name: str, batch: Batch, data: bytes) -> None:
+    # Bodies are parsed whole: a body cut anywhere is never taken for a shorter batch.
+    for cut in range(len(data)):
+        with pytest.raises(FeedError) as ei:
+            pull_batch(data[:cut])
+        assert ei.value.reason == "bad_json"
+
+
+@pytest.mark.parametrize(("name", "batch", "data"), GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_trailing_whitespace_is_json_and_anything_else_is_not(name: str, batch: Batch, data: bytes) -> None:
+    assert pull_batch(b"\n " + data + b" \r\n\t") == batch
+    for tail in (b"x", b"\0", b",", b"}", b" 1", data):
+        with pytest.raises(FeedError) as ei:
+            pull_batch(data + tail)
+        assert ei.value.reason == "trailing_data"
+
+
+@pytest.mark.parametrize(("name", "data", "batch"), EQUIVALENT, ids=[e[0] for e in EQUIVALENT])
+def test_equivalent_bodies(name: str, data: bytes, batch: Batch) -> None:
+    got = pull_batch(data)
+    assert got == batch
+    assert pull_batch(push_batch(got)) == got
+
+
+def test_pull_takes_bytearray_and_memoryview() -> None:
+    _name, batch, data = GOLDEN[0]
+    assert pull_batch(bytearray(data)) == batch
+    assert pull_batch(memoryview(data)) == batch
+
+
+def test_negative_zero_idle_pushes_as_zero() -> None:
+    b = Batch(EPOCH, 1, (SandboxReport("s", 0, 0, 0, -0.0),))
+    assert b'"idle_s":0.0}' in push_batch(b)
+    got = pull_batch(push_batch(b)).sandboxes[0].idle_s
+    assert got == 0.0 and math.copysign(1.0, got) == 1.0
+
+
+# --- refusals ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("reason", "name", "data"), BATCH_REFUSALS, ids=[f"{r}-{n}" for r, n, _ in BATCH_REFUSALS])
+def test_refused(reason: str, name: str, data: bytes) -> None:
+    with pytest.raises(FeedError) as ei:
+        pull_batch(data)
+    assert ei.value.reason == reason
+    assert isinstance(ei.value, RemoteProtocolError)
+    assert ei.value.http_status == 400
+
+
+def test_every_reason_has_a_case() -> None:
+    doc = feed.__doc__ or ""
+    listed = set(re.findall(r"^    ([a-z0-9_]+) {2,}", doc.split("Reason tokens")[1], re.M))
+    answer_only = {"unknown_error", "bad_acked", "status_mismatch"}
+    built_here = {"too_large", "too_many_sandboxes"}
+    assert {r for r, _, _ in BATCH_REFUSALS} == listed - answer_only - built_here
+    assert {r for r, _ in ANSWER_REFUSALS} | {"status_mismatch"} >= answer_only
+
+
+def test_too_large() -> None:
+    data = b" " * (MAX_BODY_BYTES - len(GOLDEN[0][2])) + GOLDEN[0][2]
+    assert pull_batch(data) == GOLDEN[0][1]  # exactly at the bound
+    with pytest.raises(FeedError) as ei:
+        pull_batch(b" " + data)
+    assert ei.value.reason == "too_large" and ei.value.http_status == 413
+
+
+def test_too_many_sandboxes() -> None:
+    # Counted before any entry is judged, so the entries need not be valid.
+    for n, reason in ((MAX_SANDBOXES, "bad_type"), (MAX_SANDBOXES + 1, "too_many_sandboxes")):
+        data = b'{"epoch":"' + EPOCH.encode() + b'","seq":1,"sandboxes":[' + b",".join([b"0"] * n) + b"]}"
+        with pytest.raises(FeedError) as ei:
+            pull_batch(data)
+        assert ei.value.reason == reason
+
+
+def test_the_largest_batch_fits_the_body_bound() -> None:
+    worst = SandboxReport("x" * 64, COUNT_MAX, COUNT_MAX, COUNT_MAX, 1.2345678901234567e-05)
+    entries = tuple(SandboxReport(f"{i:064d}", *list(vars(worst).values())[1:]) for i in range(MAX_SANDBOXES))
+    data = push_batch(Batch("9223372036854775807-ffffffffffffffff", COUNT_MAX, entries))
+    assert len(data) < MAX_BODY_BYTES * 0.7
+    assert len(pull_batch(data).sandboxes) == MAX_SANDBOXES
+
+
+def test_first_failing_check_names_the_reason() -> None:
+    # Unknown keys before missing ones, then values in wire order.
+    assert _reason(body({"extra": 1}, drop="seq")) == "unknown_field"
+    assert _reason(body({"epoch": "x", "seq": 0})) == "bad_epoch"
+    assert _reason(body({"seq": 0}, entry={"sandbox": ""})) == "bad_seq"
+    assert _reason(body(entry={"sandbox": "", "bytes_in": -1})) == "bad_sandbox_id"
+    assert _reason(body(entry={"bytes_out": -1, "idle_s": -1})) == "bad_count"
+
+
+def test_details_carry_no_peer_text() -> None:
+    secret = "tenant-secret-token"
+    for data in (body({secret: 1}), body(entry={"sandbox": secret + "/"}), body({"epoch": secret})):
+        with pytest.raises(FeedError) as ei:
+            pull_batch(data)
+        assert secret not in str(ei.value)
+
+
+# --- push refuses what it cannot carry ------------------------------------------------------------------
+
+_OK_R = SandboxReport("s", 1, 2, 3, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("batch", "reason"),
+    [
+        (Batch("nope", 1, ()), "bad_epoch"),
+        (Batch(EPOCH, 0, ()), "bad_seq"),
+        (Batch(EPOCH, 2**63, ()), "bad_seq"),
+        (Batch(EPOCH, True, ()), "bad_type"),
+        (Batch(EPOCH, 1, (_OK_R, _OK_R)), "duplicate_sandbox"),
+        (Batch(EPOCH, 1, (SandboxReport("a b", 0, 0, 0, 0.0),)), "bad_sandbox_id"),
+        (Batch(EPOCH, 1, (SandboxReport('a"', 0, 0, 0, 0.0),)), "bad_sandbox_id"),
+        (Batch(EPOCH, 1, (SandboxReport("s", -1, 0, 0, 0.0),)), "bad_count"),
+        (Batch(EPOCH, 1, (SandboxReport("s", 0, 2**63, 0, 0.0),)), "bad_count"),
+        (Batch(EPOCH, 1, (SandboxReport("s", 0, 0, 1.0, 0.0),)), "bad_type"),  # type: ignore[arg-type]
+        (Batch(EPOCH, 1, (SandboxReport("s", 0, 0, 0, math.nan),)), "bad_idle"),
+        (Batch(EPOCH, 1, (SandboxReport("s", 0, 0, 0, math.inf),)), "bad_idle"),
+        (Batch(EPOCH, 1, (SandboxReport("s", 0, 0, 0, -1.0),)), "bad_idle"),
+        (Batch(EPOCH, 1, (SandboxReport("s", 0, 0, 0, "0"),)), "bad_type"),  # type: ignore[arg-type]
+        (Batch(EPOCH, 1, ("s",)), "bad_type"),  # type: ignore[arg-type]
+        (Batch(EPOCH, 1, None), "bad_type"),  # type: ignore[arg-type]
+        (Batch(EPOCH, 1, tuple(SandboxReport(f"s{i}", 0, 0, 0, 0.0) for i in range(MAX_SANDBOXES + 1))),
+         "too_many_sandboxes"),
+    ],
+)
+def test_push_refuses(batch: Batch, reason: str) -> None:
+    with pytest.raises(LocalProtocolError) as ei:
+        push_batch(batch)
+    assert ei.value.reason == reason
+
+
+def test_push_refuses_a_non_batch() -> None:
+    with pytest.raises(LocalProtocolError):
+        push_batch(b"{}")  # type: ignore[arg-type]
+
+
+# --- property tests ------------------------------------------------------------------------------------
+
+ids = st.text(alphabet="abcXYZ019._-", min_size=1, max_size=64)
+counts = st.integers(0, COUNT_MAX)
+idles = st.floats(0.0, IDLE_S_MAX, allow_nan=False, allow_infinity=False)
+reports = st.builds(SandboxReport, ids, counts, counts, counts, idles)
+epochs = st.builds(new_epoch, st.integers(0, COUNT_MAX), st.binary(min_size=8, max_size=8))
+batches = st.builds(
+    Batch,
+    epochs,
+    st.integers(1, COUNT_MAX),
+    st.lists(reports, max_size=20, unique_by=lambda r: r.sandbox).map(tuple),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches)
+def test_round_trip(batch: Batch) -> None:
+    data = push_batch(batch)
+    assert pull_batch(data) == batch
+    assert json.loads(data) == {
+        "epoch": batch.epoch,
+        "seq": batch.seq,
+        "sandboxes": [vars(r) for r in batch.sandboxes],
+    }
+    # Pretty-printed by another encoder, it means the same batch.
+    assert pull_batch(json.dumps(json.loads(data), indent=2).encode()) == batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches, st.data())
+def test_one_byte_changed_is_refused_or_another_valid_batch(batch: Batch, data: st.DataObject) -> None:
+    raw = bytearray(push_batch(batch))
+    i = data.draw(st.integers(0, len(raw) - 1))
+    raw[i] = data.draw(st.integers(0, 255))
+    try:
+        got = pull_batch(bytes(raw))
+    except FeedError:
+        return
+    assert pull_batch(push_batch(got)) == got
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
+        ["epoch", "seq", "sandboxes", "sandbox", "bytes_in", "bytes_out", "open", "idle_s", "acked", "error", "x"]
+    ), inner, max_size=6),
+    max_leaves=20,
+))
+def test_any_json_value_parses_or_is_refused(value: object) -> None:
+    data = json.dumps(value).encode()
+    for pull in (pull_batch, pull_answer):
+        try:
+            pull(data)
+        except FeedError:
+            pass
+
+
+# --- answers -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("answer", "data", "status"), ANSWER_GOLDEN)
+def test_answer_golden(answer: Answer, data: bytes, status: int) -> None:
+    assert push_answer(answer) == data
+    assert answer.http_status == status
+    assert pull_answer(data) == answer
+    assert pull_answer(data, status) == answer
+    assert pull_answer(b" " + data + b"\n") == answer
+    for cut in range(len(data)):
+        with pytest.raises(FeedError):
+            pull_answer(data[:cut])
+
+
+@pytest.mark.parametrize(("reason", "data"), ANSWER_REFUSALS)
+def test_answer_refused(reason: str, data: bytes) -> None:
+    with pytest.raises(FeedError) as ei:
+        pull_answer(data)
+    assert ei.value.reason == reason
+
+
+@pytest.mark.parametrize(("data", "status"), [(b'{"acked":1}', 409), (b'{"error":"gap","acked":0}', 200),
+                                              (b'{"acked":1}', 500), (b'{"error":"stale_epoch"}', 400)])
+def test_answer_status_must_match_the_body(data: bytes, status: int) -> None:
+    with pytest.raises(FeedError) as ei:
+        pull_answer(data, status)
+    assert ei.value.reason == "status_mismatch"
+
+
+def test_answer_at_its_bound() -> None:
+    assert pull_answer(b'{"acked":1}'.ljust(MAX_ANSWER_BYTES)) == Answer.ok(1)
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (Answer(None, None), "missing_field"),
+        (Answer(None, 0), "bad_acked"),
+        (Answer("replay", 0), "bad_acked"),
+        (Answer("gap", -1), "bad_acked"),
+        (Answer("gap", None), "missing_field"),
+        (Answer("stale_epoch", 3), "unknown_field"),
+        (Answer("nope", 3), "unknown_error"),
+        (Answer(None, True), "bad_type"),
+    ],
+)
+def test_push_answer_refuses(answer: Answer, reason: str) -> None:
+    with pytest.raises(LocalProtocolError) as ei:
+        push_answer(answer)
+    assert ei.value.reason == reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(
+    st.integers(1, COUNT_MAX).map(Answer.ok),
+    st.integers(1, COUNT_MAX).map(Answer.replay),
+    st.integers(0, COUNT_MAX).map(Answer.gap),
+    st.just(Answer.stale_epoch()),
+))
+def test_answer_round_trip(answer: Answer) -> None:
+    data = push_answer(answer)
+    assert pull_answer(data, answer.http_status) == answer
+    assert json.loads(data) == {k: v for k, v in (("error", answer.error), ("acked", answer.acked)) if v is not None}
+
+
+# --- epochs --------------------------------------------------------------------------------------------
+
+
+def test_new_epoch() -> None:
+    assert new_epoch(START_NS, RAND8) == EPOCH
+    assert new_epoch(0, bytes(8)) == "0-0000000000000000"
+    assert new_epoch(COUNT_MAX, b"\xff" * 8) == "9223372036854775807-ffffffffffffffff"
+    assert new_epoch(5, bytes(range(8))) == "5-0001020304050607"
+    assert epoch_start_ns(EPOCH) == START_NS
+
+
+@pytest.mark.parametrize(
+    ("start_ns", "rand8"),
+    [(-1, bytes(8)), (2**63, bytes(8)), (True, bytes(8)), (1.0, bytes(8)), (1, bytes(7)), (1, bytes(9)), (1, "a" * 8)],
+)
+def test_new_epoch_refuses(start_ns: object, rand8: object) -> None:
+    with pytest.raises(LocalProtocolError) as ei:
+        new_epoch(start_ns, rand8)  # type: ignore[arg-type]
+    assert ei.value.reason == "bad_epoch"
+
+
+def test_epoch_order_is_by_start_time_alone() -> None:
+    a, b = new_epoch(100, bytes(8)), new_epoch(101, bytes(8))
+    assert epoch_is_newer(b, a) and not epoch_is_newer(a, b)
+    assert not epoch_is_newer(a, a)
+    same_ns = new_epoch(100, b"\xff" * 8)
+    assert not epoch_is_newer(same_ns, a) and not epoch_is_newer(a, same_ns)
+    # Numeric, not textual: "99" sorts after "100" as text.
+    assert epoch_is_newer(new_epoch(100, bytes(8)), new_epoch(99, b"\xff" * 8))
+    with pytest.raises(LocalProtocolError):
+        epoch_is_newer("x", a)
+    with pytest.raises(LocalProtocolError):
+        epoch_start_ns("01-0000000000000000")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, COUNT_MAX), st.integers(0, COUNT_MAX), st.binary(min_size=8, max_size=8))
+def test_epoch_order_matches_start_times(a: int, b: int, r: bytes) -> None:
+    ea, eb = new_epoch(a, r), new_epoch(b, r)
+    assert is_epoch(ea) and epoch_start_ns(ea) == a
+    assert epoch_is_newer(ea, eb) == (a > b)
+
+
+def test_is_epoch_and_is_sandbox_id() -> None:
+    assert is_epoch(EPOCH) and not is_epoch(EPOCH.upper()) and not is_epoch(None) and not is_epoch(EPOCH + "\n")
+    assert is_sandbox_id("a" * 64) and not is_sandbox_id("a" * 65) and not is_sandbox_id("") and not is_sandbox_id(5)
+    assert not is_sandbox_id("sbx\n")
+
+
+def _reason(data: bytes) -> str:
+    try:
+        pull_batch(data)
+    except FeedError as exc:
+        return exc.reason
+    return "ok"
