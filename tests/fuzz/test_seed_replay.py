@@ -17,6 +17,7 @@ from types import ModuleType
 # scripts put it on theirs).
 import fuzz_arp
 import fuzz_egress_frames
+import fuzz_feed
 import fuzz_preamble
 import fuzz_rewrite
 import fuzz_segment
@@ -40,6 +41,9 @@ class Corpus:
 # The cases the design names (a checksum offset aimed into the IPv4 header, a TCP GSO type on a UDP
 # packet) are required, so the replay fails if they go missing.
 CORE_CASES = ("csum-offset-into-ip-dst*", "tcp-gso-on-udp*")
+# The idle feed's tricky bodies (tests/fuzz/make_feed_seeds.py): each must stay in its corpus.
+FEED_CASES = ("duplicate_sandbox-*", "bad_count-negative-*", "bad_seq-zero", "bad_json-nan-idle", "bad_seq-huge",
+              "unknown_field-*", "bad_type-*", "ok-golden-*")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
@@ -48,6 +52,7 @@ CORPORA = (
            named_outcome=True),
     Corpus("vxlan", fuzz_vxlan, 10, named_outcome=True),
     Corpus("arp", fuzz_arp, 10, named_outcome=True),
+    Corpus("feed", fuzz_feed, 20, FEED_CASES, named_outcome=True),
 )
 BY_NAME = {c.name: c for c in CORPORA}
 
