@@ -118,6 +118,10 @@ class TlsStream:
                 raise
         # The client's Finished; on a TLS 1.3 server, the session tickets.
         await self._flush()
+        # Application data that came in the same read as the peer's last handshake message (a client's
+        # first request right behind its Finished) is in the incoming BIO already: decrypt it now, or
+        # read() would wait on the socket for bytes the peer has already sent.
+        self._drain()
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -135,6 +139,10 @@ class TlsStream:
                 raise self._rx_error
             if self.eof is not None:
                 return b""
+            if self._incoming.pending:
+                self._drain()
+                if self._plain or self.eof is not None or self._rx_error is not None:
+                    continue
             data = await self._recv()
             if not data:
                 self.eof = "tcp_eof"

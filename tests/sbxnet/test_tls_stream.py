@@ -384,3 +384,38 @@ def test_session_tickets_do_not_surface(run: Loop, pki: dict[str, Path]) -> None
         cli.close()
 
     run(main())
+
+
+def test_data_right_behind_the_clients_finished_is_read_without_more_bytes(run: Loop, pki: dict[str, Path]) -> None:
+    # curl sends its first request in the same segment as its Finished; the server must not wait on the
+    # socket for bytes that are already in its incoming BIO (the gateway's keep-alive test found this).
+    async def main() -> None:
+        a, b = socket.socketpair()
+        b.setblocking(True)
+        cctx = _client_ctx(pki)
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = cctx.wrap_bio(inc, out, server_hostname="localhost")
+        loop = asyncio.get_running_loop()
+
+        async def client() -> None:
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    if out.pending:
+                        await loop.sock_sendall(b, out.read())
+                    inc.write(await loop.sock_recv(b, 65536))
+            tls.write(b"GET / HTTP/1.1\r\n\r\n")
+            await loop.sock_sendall(b, out.read())  # Finished and the request in one send
+
+        b.setblocking(False)
+        srv, _ = await asyncio.gather(TlsStream.accept(a, _server_ctx(pki), timeout=5), client())
+        try:
+            async with asyncio.timeout(2):
+                assert await srv.read() == b"GET / HTTP/1.1\r\n\r\n"
+        finally:
+            srv.close()
+            b.close()
+
+    run(main())
