@@ -1,0 +1,434 @@
+"""One HTTP/1.1 client connection: every request routed, authenticated and proxied on its own.
+
+h11 parses both sides (the client's requests, the sandbox app's responses); nothing here parses HTTP
+except one extra defence before h11's (``smuggling_reason``: h11 folds duplicate identical
+Content-Length headers, lets Transfer-Encoding win over Content-Length and unfolds obs-fold lines, all of
+which a request smuggler relies on, so each is refused with 400 before anything goes upstream).
+
+Per request: the head within ``header_timeout``; ``routing.request_target`` (400, 421) and the route
+(``routing.decide_http``: 404), a wake if the sandbox is not active (503 with Retry-After if it does not
+come up), ``auth.authorize`` (401, 403, or the ``?token=`` redirect), then the link to the sandbox's
+forwarder (``upstream.open_upstream``; 502/503/504 from it). Only then does a request byte go upstream,
+so no request is ever sent twice. The request body and the response stream both ways at once, never
+buffered whole. Keep-alive and pipelining (h11 queues pipelined requests), WebSocket and other upgrades
+(after a 101 the bytes pass through both ways, half-close as half-close). Once a response byte has gone
+to the client nothing is retried or synthesised: a failure then closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import h11
+
+from gateway.auth import Allow, Deny, Redirect, authorize
+from gateway.names import Name
+from gateway.routing import Answer, Forward, decide_http, request_target
+from gateway.upstream import Upstream, UpstreamFailed
+from sbxnet.tls_stream import TlsStream
+
+log = logging.getLogger("sbxnet.gateway")
+
+HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te", b"trailer",
+              b"upgrade"}
+
+
+def smuggling_reason(raw_head: bytes) -> str | None:
+    """A reason to refuse a request head that h11 would accept but a smuggler could exploit, or None."""
+    cl = te = 0
+    for line in raw_head.split(b"\r\n")[1:]:
+        if line[:1] in (b" ", b"\t"):
+            return "obs_fold"  # h11 unfolds it (RFC 9112 5.2 lets a server); a proxy must not pass it on
+        name = line.split(b":", 1)[0].strip().lower()
+        if name == b"content-length":
+            cl += 1
+        elif name == b"transfer-encoding":
+            te += 1
+    if cl > 1:
+        return "duplicate_content_length"
+    if cl and te:
+        return "content_length_with_transfer_encoding"
+    return None
+
+
+class _ClientGone(Exception):
+    pass
+
+
+@dataclass
+class _Up:
+    key: tuple[str, int]
+    upstream: Upstream
+    conn: h11.Connection
+
+
+class H1Session:
+    """Serve one client connection; ``run`` returns when it is closed."""
+
+    def __init__(self, gw: Any, client: TlsStream, peer: tuple[str, int], conn_name: Name | None,
+                 bad_sni: bool, conn_id: str) -> None:
+        self.gw = gw  # gateway.server.GatewayServer: config, routes, metrics
+        self.client = client
+        self.peer = peer
+        self.conn_name = conn_name
+        self.bad_sni = bad_sni
+        self.conn_id = conn_id
+        self.h = h11.Connection(h11.SERVER, max_incomplete_event_size=gw.config.max_header_bytes)
+        self.up: _Up | None = None
+        self._head = bytearray()
+        self._requests = 0
+
+    # -- reading the client ------------------------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        if self.h.their_state is h11.IDLE and len(self._head) <= self.gw.config.max_header_bytes:
+            self._head += data  # the raw head, for smuggling_reason (h11 keeps its own copy private)
+        self.h.receive_data(data)
+
+    async def _client_event(self) -> Any:
+        while True:
+            ev = self.h.next_event()
+            if ev is not h11.NEED_DATA:
+                return ev
+            try:
+                data = await self.client.read()
+            except OSError:
+                raise _ClientGone() from None
+            self._feed(data)
+
+    async def _next_request(self) -> h11.Request | None:
+        """The next request head, or None when the client closed or stayed idle too long. The first head
+        must be whole within header_timeout of the handshake; a later one may wait idle_timeout for its
+        first byte, then has header_timeout for the rest (so a slow drip is cut, an idle keep-alive is not)."""
+        cfg = self.gw.config
+        self._head = bytearray(self.h.trailing_data[0])  # pipelined bytes already received
+        if self._requests and not self._head:
+            try:
+                data = await asyncio.wait_for(self.client.read(), cfg.idle_timeout)
+            except TimeoutError:
+                return None
+            except OSError:
+                raise _ClientGone() from None
+            self._feed(data)
+        async with asyncio.timeout(cfg.header_timeout):
+            ev = await self._client_event()
+        return ev if isinstance(ev, h11.Request) else None
+
+    # -- answering ourselves -----------------------------------------------------------------------
+
+    async def _send(self, event: Any) -> None:
+        data = self.h.send(event)
+        if data:
+            await self.client.write(data)
+
+    async def answer(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None,
+                     *, close: bool = False, reason: str = "") -> None:
+        body = (message + "\n").encode()
+        hdrs = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode()),
+                *(headers or [])]
+        if close:
+            hdrs.append((b"connection", b"close"))
+        self.gw.metrics.requests.labels("http", str(status)).inc()
+        if reason:
+            self.gw.metrics.refusals.labels(reason).inc()
+        try:
+            await self._send(h11.Response(status_code=status, headers=hdrs))
+            await self._send(h11.Data(data=body))
+            await self._send(h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            # The client's side is not in a state to take a response (it broke the protocol): just close.
+            pass
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    req = await self._next_request()
+                except TimeoutError:
+                    self.gw.metrics.refusals.labels("header_timeout").inc()
+                    return
+                except h11.RemoteProtocolError as e:
+                    status = 431 if e.error_status_hint == 431 else 400
+                    await self.answer(status, "bad request" if status == 400 else "request header too large",
+                                      close=True, reason="bad_request" if status == 400 else "header_too_large")
+                    return
+                if req is None:
+                    return
+                self._requests += 1
+                keep = await self._one(req)
+                if not keep or self.h.our_state is h11.MUST_CLOSE:
+                    return
+                try:
+                    self.h.start_next_cycle()
+                except h11.LocalProtocolError:
+                    return
+        except _ClientGone:
+            return
+        finally:
+            if self.up is not None:
+                self.up.upstream.stream.abort()
+                self.up = None
+
+    async def _one(self, req: h11.Request) -> bool:
+        """Handle one request; False when the connection must close."""
+        cfg = self.gw.config
+        raw = bytes(self._head)
+        end = raw.find(b"\r\n\r\n")
+        if end < 0 or end + 4 > cfg.max_header_bytes:
+            # h11 bounds only a head still incomplete; one that arrived whole in one read is held here.
+            await self.answer(431, "request header too large", close=True, reason="header_too_large")
+            return False
+        bad = smuggling_reason(raw[:end])
+        if bad:
+            await self.answer(400, "bad request", close=True, reason=bad)
+            return False
+        if self.bad_sni:
+            await self.answer(421, "this connection's server name is not served here", reason="misdirected")
+            return await self._drain_body()
+        hosts = [v for n, v in req.headers if n == b"host"]
+        target = request_target(cfg.names, self.conn_name, target=req.target, hosts=hosts,
+                                http10=req.http_version == b"1.0")
+        if isinstance(target, Answer):
+            await self.answer(target.status, target.message, close=target.status == 400, reason=target.reason)
+            return target.status != 400 and await self._drain_body()
+        name = target
+        route = await self.gw.route(name.sandbox)
+        decision = decide_http(name, route)
+        if isinstance(decision, Answer):
+            await self.answer(decision.status, decision.message, reason=decision.reason)
+            return await self._drain_body()
+        fwd = decision
+        if fwd.route.state != "active":
+            woken = await self.gw.wake(name.sandbox)
+            if woken is None:
+                await self.answer(503, "the sandbox is starting: try again shortly", [(b"retry-after", b"1")],
+                                  reason="wake_pending")
+                return await self._drain_body()
+            fwd = Forward(woken, fwd.sandbox, fwd.port, fwd.protocol, fwd.auth)
+        host = cfg.names.host_of(name)
+        verdict = authorize(cfg.auth, auth=fwd.auth, token_sha256=fwd.route.token_sha256, target=req.target,
+                            headers=list(req.headers), client_ip=self.peer[0], host=host)
+        if isinstance(verdict, Deny):
+            await self.answer(verdict.status, verdict.message, verdict.headers, reason=verdict.reason)
+            return await self._drain_body()
+        if isinstance(verdict, Redirect):
+            await self.answer(verdict.status, "authenticated: continue at the location given", verdict.headers,
+                              reason="")
+            return await self._drain_body()
+        return await self._proxy(req, fwd, verdict, host)
+
+    async def _drain_body(self) -> bool:
+        """Read and drop the body of a request we answered ourselves, so the connection can go on."""
+        try:
+            async with asyncio.timeout(self.gw.config.header_timeout):
+                while True:
+                    ev = await self._client_event()
+                    if isinstance(ev, h11.EndOfMessage):
+                        return True
+                    if isinstance(ev, h11.ConnectionClosed):
+                        return False
+        except (TimeoutError, h11.RemoteProtocolError):
+            return False
+
+    # -- proxying ----------------------------------------------------------------------------------
+
+    def _upstream_head(self, req: h11.Request, allow: Allow, host: str) -> h11.Request:
+        target = allow.target
+        if not target.startswith(b"/") and target != b"*":
+            parts = urlsplit(target.decode("ascii"))
+            target = (parts.path or "/").encode() + (b"?" + parts.query.encode() if parts.query else b"")
+        connection_tokens = {t.strip().lower() for n, v in req.headers if n == b"connection" for t in v.split(b",")}
+        upgrade = b"upgrade" in connection_tokens and any(n == b"upgrade" for n, _ in req.headers)
+        headers: list[tuple[bytes, bytes]] = []
+        for n, v in allow.headers:
+            low = n.lower()
+            if low == b"host":
+                continue
+            if low in HOP_BY_HOP or low in connection_tokens:
+                if upgrade and low == b"upgrade":
+                    headers.append((n, v))
+                continue
+            headers.append((n, v))
+        headers.insert(0, (b"host", host.encode()))
+        if upgrade:
+            headers.append((b"connection", b"upgrade"))
+        return h11.Request(method=req.method, target=target, headers=headers, http_version=b"1.1")
+
+    async def _link(self, fwd: Forward) -> _Up:
+        key = (fwd.sandbox, fwd.port)
+        if self.up is not None and self.up.key == key and self.up.conn.our_state is h11.IDLE:
+            return self.up
+        if self.up is not None:
+            self.up.upstream.stream.abort()
+            self.up = None
+        upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
+        self.up = _Up(key, upstream, h11.Connection(h11.CLIENT))
+        if upstream.leftover:
+            self.up.conn.receive_data(upstream.leftover)
+        return self.up
+
+    async def _proxy(self, req: h11.Request, fwd: Forward, allow: Allow, host: str) -> bool:
+        try:
+            up = await self._link(fwd)
+        except UpstreamFailed as e:
+            self.gw.invalidate(fwd.sandbox)
+            extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
+            await self.answer(e.http_status, e.detail, extra, reason=e.reason)
+            return await self._drain_body()
+        sandbox_slot = self.gw.take_sandbox_slot(fwd.sandbox)
+        if not sandbox_slot:
+            await self.answer(503, "too many connections to this sandbox", [(b"retry-after", b"1")],
+                              reason="sandbox_connection_limit")
+            return await self._drain_body()
+        try:
+            return await self._exchange(req, fwd, allow, host, up)
+        finally:
+            self.gw.release_sandbox_slot(fwd.sandbox)
+
+    async def _exchange(self, req: h11.Request, fwd: Forward, allow: Allow, host: str, up: _Up) -> bool:
+        stream = up.upstream.stream
+        head = self._upstream_head(req, allow, host)
+        started = time.monotonic()
+        await stream.write(up.conn.send(head))
+        body_task = asyncio.create_task(self._pump_request_body(up))
+        responded = False
+        status = 0
+        try:
+            while True:
+                ev = up.conn.next_event()
+                if ev is h11.NEED_DATA:
+                    data = await stream.read()
+                    up.conn.receive_data(data)
+                    continue
+                if isinstance(ev, h11.InformationalResponse):
+                    await self._send(h11.InformationalResponse(status_code=ev.status_code,
+                                                               headers=self._response_headers(ev.headers),
+                                                               reason=ev.reason))
+                    responded = True
+                    if ev.status_code == 101:
+                        self.gw.metrics.requests.labels("upgrade", "101").inc()
+                        body_task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await body_task
+                        await self._switch(up)
+                        return False
+                    continue
+                if isinstance(ev, h11.Response):
+                    status = ev.status_code
+                    hdrs = self._response_headers(ev.headers)
+                    await self._send(h11.Response(status_code=ev.status_code, headers=hdrs, reason=ev.reason))
+                    responded = True
+                    self.gw.metrics.first_byte.observe(time.monotonic() - started)
+                elif isinstance(ev, h11.Data):
+                    await self._send(h11.Data(data=ev.data))
+                elif isinstance(ev, h11.EndOfMessage):
+                    await self._send(h11.EndOfMessage(headers=ev.headers))
+                    break
+                elif isinstance(ev, h11.ConnectionClosed):
+                    raise ConnectionResetError("the sandbox closed before its response ended")
+            await body_task
+        except (OSError, h11.ProtocolError, _ClientGone) as e:
+            body_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await body_task
+            stream.abort()
+            self.up = None
+            if isinstance(e, _ClientGone) or responded:
+                return False
+            await self.answer(502, "the sandbox's app broke the connection", close=True, reason="upstream_broken")
+            return False
+        self.gw.metrics.requests.labels("http", str(status)).inc()
+        if up.conn.our_state is h11.MUST_CLOSE or up.conn.their_state is h11.MUST_CLOSE:
+            stream.abort()
+            self.up = None
+        else:
+            up.conn.start_next_cycle()
+        return True
+
+    def _response_headers(self, headers: Any) -> list[tuple[bytes, bytes]]:
+        tokens = {t.strip().lower() for n, v in headers if n == b"connection" for t in v.split(b",")}
+        out = []
+        for n, v in headers:
+            if n in (b"connection", b"keep-alive", b"proxy-connection", b"trailer") or n in tokens:
+                if n == b"connection" and b"upgrade" in tokens:
+                    out.append((n, b"upgrade"))
+                continue
+            out.append((n, v))
+        return out
+
+    async def _pump_request_body(self, up: _Up) -> None:
+        while up.conn.our_state is h11.SEND_BODY:
+            ev = await self._client_event()
+            if isinstance(ev, h11.Data):
+                await up.upstream.stream.write(up.conn.send(h11.Data(data=ev.data)))
+            elif isinstance(ev, h11.EndOfMessage):
+                await up.upstream.stream.write(up.conn.send(h11.EndOfMessage(headers=ev.headers)))
+            elif isinstance(ev, h11.ConnectionClosed):
+                raise _ClientGone()
+            else:
+                return
+
+    async def _switch(self, up: _Up) -> None:
+        """After 101: bytes both ways, each direction ending on its own (half-close as half-close)."""
+        client_rest, _ = self.h.trailing_data
+        up_rest, _ = up.conn.trailing_data
+        stream = up.upstream.stream
+        self.up = None
+        if client_rest:
+            await stream.write(client_rest)
+        if up_rest:
+            await self.client.write(up_rest)
+        await pipe(self.client, stream, idle=self.gw.config.websocket_idle_timeout)
+
+
+async def pipe(a: TlsStream, b: TlsStream, *, idle: float) -> str:
+    """Copy both ways until both directions ended, a reset (passed on as a reset), or ``idle`` seconds
+    with no byte either way. Returns how it ended: closed, reset, idle."""
+    last = [time.monotonic()]
+
+    async def one(src: TlsStream, dst: TlsStream) -> None:
+        while True:
+            data = await src.read()
+            if not data:
+                await dst.write_eof()
+                return
+            last[0] = time.monotonic()
+            await dst.write(data)
+
+    tasks = [asyncio.create_task(one(a, b)), asyncio.create_task(one(b, a))]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=max(0.05, last[0] + idle - time.monotonic()),
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    log.debug("pipe ended by %r", t.exception())
+                    a.abort()
+                    b.abort()
+                    return "reset"
+            if not pending:
+                a.close()
+                b.close()
+                return "closed"
+            if time.monotonic() - last[0] >= idle:
+                a.abort()
+                b.abort()
+                return "idle"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+Opener = Callable[[Forward, tuple[str, int], str], Awaitable[Upstream]]

@@ -1,0 +1,298 @@
+"""The gateway's listener: accept (a slot taken first), client TLS, then per connection raw TCP or HTTP.
+
+After the handshake the connection's server name decides: a name whose port is a ``tcp`` route is
+forwarded raw (``routing.decide_connection``), everything else is served as HTTP/1.1 (``http1.py``),
+where each request is routed on its own. Routes come from a ``RouteSource`` through a short cache
+(positive and negative, TTLs from the source); a sandbox that is not active is woken once however many
+requests wait (``route_source.Waker``). Limits: ``max_connections`` (taken before accept, so at the limit
+the kernel's backlog holds new clients) and ``max_connections_per_sandbox``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import secrets
+import socket
+import ssl
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.auth import AuthConfig
+from gateway.http1 import H1Session, pipe
+from gateway.names import NameRefused, Names
+from gateway.route_cache import RouteCache
+from gateway.route_source import RouteSource, Waker, WakeRefused
+from gateway.routing import Forward, RawForward, decide_connection
+from gateway.tls_front import FrontTls
+from gateway.upstream import Upstream, UpstreamFailed, UpstreamPolicy, open_upstream
+from sbxnet.protocol.preamble import Preamble
+from sbxnet.protocol.routes import Route
+from sbxnet.tls_stream import TlsStream
+
+log = logging.getLogger("sbxnet.gateway")
+
+
+@dataclass
+class GatewayConfig:
+    names: Names
+    front: FrontTls
+    routes: RouteSource
+    upstream: UpstreamPolicy
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    handshake_timeout: float = 10.0
+    header_timeout: float = 10.0
+    idle_timeout: float = 75.0  # an idle HTTP keep-alive connection
+    websocket_idle_timeout: float = 3600.0
+    tcp_idle_timeout: float = 3600.0
+    max_header_bytes: int = 16384
+    max_connections: int = 10000
+    max_connections_per_sandbox: int = 1000
+    wake_wait: float = 10.0
+    max_waiting_per_sandbox: int = 256
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("sbxnet_gateway_requests", "Requests by route kind and status", ["kind", "status"],
+                                registry=r)
+        self.refusals = Counter("sbxnet_gateway_refusals", "Requests or connections refused, by reason", ["reason"],
+                                registry=r)
+        self.connections = Gauge("sbxnet_gateway_open_connections", "Client connections open", registry=r)
+        self.handshake_failures = Counter("sbxnet_gateway_handshake_failures", "Client TLS handshakes failed",
+                                          registry=r)
+        self.upstream_attempts = Counter("sbxnet_gateway_upstream_attempts", "TCP attempts to forwarders",
+                                         registry=r)
+        self.upstream_retries = Counter("sbxnet_gateway_upstream_retries", "Link attempts retried, by why",
+                                        ["reason"], registry=r)
+        self.upstream_seconds = Histogram("sbxnet_gateway_upstream_seconds", "Time to the forwarder's OK",
+                                          registry=r)
+        self.first_byte = Histogram("sbxnet_gateway_first_byte_seconds", "Request sent to response head", registry=r)
+        self.wakes = Counter("sbxnet_gateway_wakes", "Wakes sent to the scheduler", registry=r)
+        self.cache = Counter("sbxnet_gateway_route_cache", "Route lookups by result", ["result"], registry=r)
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or GatewayMetrics()
+        self.cache: RouteCache[Route] = RouteCache()
+        self.waker = Waker(config.routes, max_waiting=config.max_waiting_per_sandbox, wait=config.wake_wait)
+        self._slots = asyncio.Semaphore(config.max_connections)
+        self._per_sandbox: dict[str, int] = {}
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._draining = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None
+        return int(self._listener.getsockname()[1])
+
+    @property
+    def ready(self) -> bool:
+        return self._listener is not None and not self._draining
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    async def start(self, listener: socket.socket) -> None:
+        listener.setblocking(False)
+        self._listener = listener
+        self._accept_task = asyncio.create_task(self._accept_loop(), name="gateway-accept")
+
+    async def drain(self, timeout: float = 10.0) -> int:
+        self._draining = True
+        if self._accept_task:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener:
+            self._listener.close()
+        cut = 0
+        if self._conns:
+            _, pending = await asyncio.wait(set(self._conns), timeout=timeout)
+            cut = len(pending)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        return cut
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        backoff = 0.005
+        while True:
+            await self._slots.acquire()
+            try:
+                sock, addr = await loop.sock_accept(self._listener)
+            except OSError as e:
+                self._slots.release()
+                log.warning("accept failed", extra={"event": "accept_error",
+                                                    "reason": errno.errorcode.get(e.errno or 0, "oserror")})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            except BaseException:
+                self._slots.release()
+                raise
+            backoff = 0.005
+            task = asyncio.create_task(self._serve(sock, (str(addr[0]), int(addr[1]))))
+            self._conns.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._conns.discard(task)
+        self._slots.release()
+
+    # -- one connection ----------------------------------------------------------------------------
+
+    async def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
+        conn_id = secrets.token_hex(8)
+        self.metrics.connections.inc()
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                client = await TlsStream.accept(sock, self.config.front.context, timeout=self.config.handshake_timeout)
+            except (ssl.SSLError, OSError, TimeoutError):
+                self.metrics.handshake_failures.inc()
+                return
+            try:
+                await self._dispatch(client, peer, conn_id)
+            finally:
+                client.close()
+        except Exception:
+            log.exception("internal error", extra={"event": "internal", "conn_id": conn_id})
+        finally:
+            self.metrics.connections.dec()
+
+    async def _dispatch(self, client: TlsStream, peer: tuple[str, int], conn_id: str) -> None:
+        names = self.config.names
+        sni = self.config.front.server_name(client.ssl_object)
+        bad_sni = False
+        conn_name = None
+        try:
+            conn_name = names.parse_sni(sni)
+        except NameRefused:
+            bad_sni = True
+        if conn_name is not None and client.ssl_object.selected_alpn_protocol() is None:
+            route = await self.route(conn_name.sandbox)
+            decision = decide_connection(conn_name, route)
+            if isinstance(decision, RawForward):
+                await self._raw(client, decision, peer, conn_id)
+                return
+        await H1Session(self, client, peer, conn_name, bad_sni, conn_id).run()
+
+    async def _raw(self, client: TlsStream, d: RawForward, peer: tuple[str, int], conn_id: str) -> None:
+        if d.require_client_cert:
+            self.metrics.refusals.labels("client_cert_unsupported").inc()
+            client.abort()
+            return
+        route = d.route
+        if route.state != "active":
+            woken = await self.wake(d.sandbox)
+            if woken is None:
+                self.metrics.refusals.labels("wake_pending").inc()
+                client.abort()
+                return
+            route = woken
+        if not self.take_sandbox_slot(d.sandbox):
+            self.metrics.refusals.labels("sandbox_connection_limit").inc()
+            client.abort()
+            return
+        try:
+            fwd = Forward(route, d.sandbox, d.port, "http", "public")
+            try:
+                up = await self.open_upstream(fwd, peer, conn_id)
+            except UpstreamFailed as e:
+                self.invalidate(d.sandbox)
+                self.metrics.refusals.labels(e.reason).inc()
+                client.abort()
+                return
+            if up.leftover:
+                await client.write(up.leftover)
+            ended = await pipe(client, up.stream, idle=self.config.tcp_idle_timeout)
+            self.metrics.requests.labels("tcp", ended).inc()
+        finally:
+            self.release_sandbox_slot(d.sandbox)
+
+    # -- what sessions call ------------------------------------------------------------------------
+
+    async def route(self, sandbox: str) -> Route | None:
+        loop = asyncio.get_running_loop()
+        hit = self.cache.get(sandbox, loop.time())
+        if hit is not None:
+            self.metrics.cache.labels("hit" if hit.route is not None else "negative_hit").inc()
+            return hit.route
+        self.metrics.cache.labels("miss").inc()
+        found = await self.config.routes.lookup(sandbox)
+        if found.route is None:
+            self.cache.put_unknown(sandbox, found.ttl, loop.time())
+        else:
+            self.cache.put_found(sandbox, found.route, found.ttl, loop.time())
+        return found.route
+
+    def invalidate(self, sandbox: str) -> None:
+        self.cache.invalidate(sandbox)
+
+    async def wake(self, sandbox: str) -> Route | None:
+        """Wake ``sandbox`` (coalesced) and return its fresh route once active, or None."""
+        calls = self.waker.calls
+        try:
+            state = await self.waker.wake(sandbox)
+        except WakeRefused:
+            return None
+        finally:
+            self.metrics.wakes.inc(self.waker.calls - calls)
+        if state != "active":
+            return None
+        self.invalidate(sandbox)
+        route = await self.route(sandbox)
+        return route if route is not None and route.state == "active" else None
+
+    async def open_upstream(self, fwd: Forward, peer: tuple[str, int], conn_id: str) -> Upstream:
+        import ipaddress
+
+        p = Preamble(
+            src=ipaddress.ip_address(peer[0]),
+            src_port=peer[1],
+            dst=fwd.route.target_ip,
+            dst_port=fwd.port,
+            sandbox_id=fwd.sandbox,
+            connection_id=conn_id.encode(),
+        )
+        try:
+            up = await open_upstream(fwd.route, fwd.port, p, self.config.upstream)
+        except UpstreamFailed as e:
+            self.metrics.upstream_attempts.inc(e.attempts)
+            raise
+        self.metrics.upstream_attempts.inc(up.attempts)
+        self.metrics.upstream_seconds.observe(up.elapsed)
+        for why in up.failures:
+            self.metrics.upstream_retries.labels(why).inc()
+        return up
+
+    def take_sandbox_slot(self, sandbox: str) -> bool:
+        n = self._per_sandbox.get(sandbox, 0)
+        if n >= self.config.max_connections_per_sandbox:
+            return False
+        self._per_sandbox[sandbox] = n + 1
+        return True
+
+    def release_sandbox_slot(self, sandbox: str) -> None:
+        n = self._per_sandbox.get(sandbox, 0) - 1
+        if n > 0:
+            self._per_sandbox[sandbox] = n
+        else:
+            self._per_sandbox.pop(sandbox, None)

@@ -1,0 +1,248 @@
+"""The gateway end to end over HTTP/1.1 with curl and raw TLS clients: gateway -> real forwarder -> app."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, registration
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
+from fwd_support import ForwarderThread, Pki, SandboxApp, make_pki
+
+from forwarder.ingress.settings import ForwarderSettings
+
+CURL = shutil.which("curl")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    cert, key = pki.paths["forwarder"]
+    fwd = ForwarderThread(ForwarderSettings(
+        listen_host="127.0.0.1", listen_port=8443, metrics_port=0, cert_file=cert, key_file=key, ca_file=pki.ca_file,
+        client_san_allow=["spiffe://sbxnet.test/gateway"], sandbox_prefixes=[ipaddress.ip_network("127.0.0.0/8")],
+        allow_targets=[ipaddress.ip_network("127.0.0.1/32")], connect_deadline=1.0, data_plane="userspace",
+    ))
+    app = EchoHttp()
+    secure = EchoHttp()
+
+    def echo(conn: socket.socket) -> None:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+        conn.shutdown(socket.SHUT_WR)
+
+    tcp = SandboxApp(echo)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = int(dead.getsockname()[1])
+    dead.close()
+    routes = tmp_path_factory.mktemp("routes") / "routes.json"
+    routes.write_text(json.dumps({"sandboxes": {
+        "alpha": registration(pki, fwd.port, {app.port: ("http", "public"), tcp.port: ("tcp", "public")},
+                              default=app.port),
+        "beta": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port),
+        "secure": registration(pki, fwd.port, {secure.port: ("http", "token")}, default=secure.port),
+        "gone": registration(pki, dead_port, {app.port: ("http", "public")}, default=app.port, deadline=0.5),
+    }}))
+    gw = GatewayThread(pki, routes, header_timeout=1.0, idle_timeout=5.0)
+    yield {"gw": gw, "fwd": fwd, "app": app, "secure": secure, "tcp": tcp, "pki": pki}
+    gw.stop()
+    fwd.stop()
+    app.stop()
+    secure.stop()
+
+
+def curl(stack: dict[str, Any], *urls: str, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    if CURL is None:
+        pytest.skip("curl is not installed (scripts/setup.sh installs it)")
+    gw: GatewayThread = stack["gw"]
+    resolve = []
+    for u in urls:
+        host = u.split("/")[2]
+        resolve += ["--resolve", f"{host}:{gw.port}:127.0.0.1"]
+    cmd = [CURL, "-sS", "--http1.1", "--cacert", str(stack["pki"].ca_file), *resolve, *args]
+    for u in urls:
+        cmd.append(u.replace(f"{u.split('/')[2]}", f"{u.split('/')[2]}:{gw.port}", 1))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_a_request_reaches_its_sandbox_with_forwarded_headers(stack: dict[str, Any]) -> None:
+    r = curl(stack, f"https://alpha.{DOMAIN}/hello?x=1", args=("-H", "X-Forwarded-For: 6.6.6.6"))
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    headers = dict(seen["headers"])
+    assert seen["path"] == "/hello?x=1"
+    assert headers["x-forwarded-for"] == "127.0.0.1"  # the client's claim replaced
+    assert headers["x-forwarded-proto"] == "https"
+    assert headers["x-forwarded-host"] == f"alpha.{DOMAIN}"
+    assert headers["host"] == f"alpha.{DOMAIN}"
+
+
+def test_keep_alive_reuses_the_connection(stack: dict[str, Any]) -> None:
+    r = curl(stack, f"https://alpha.{DOMAIN}/one", f"https://alpha.{DOMAIN}/two", args=("-v",))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count('"path"') == 2
+    assert "Re-using existing connection" in r.stderr or "Reusing existing" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "extra", "status"),
+    [
+        (f"https://nobody.{DOMAIN}/", (), "404"),
+        (f"https://alpha.{DOMAIN}/", ("-H", f"Host: beta.{DOMAIN}"), "421"),
+        (f"https://9999-alpha.{DOMAIN}/", (), "404"),
+        (f"https://gone.{DOMAIN}/", (), "503"),
+    ],
+)
+def test_honest_errors(stack: dict[str, Any], url: str, extra: tuple[str, ...], status: str) -> None:
+    r = curl(stack, url, args=("-o", "/dev/null", "-w", "%{http_code}", *extra))
+    assert r.stdout == status, r.stderr
+
+
+def test_token_routes(stack: dict[str, Any]) -> None:
+    base = f"https://secure.{DOMAIN}/page"
+    fmt = ("-o", "/dev/null", "-w", "%{http_code}")
+    assert curl(stack, base, args=fmt).stdout == "401"
+    assert curl(stack, base, args=(*fmt, "-H", "Authorization: Bearer nope")).stdout == "403"
+    r = curl(stack, base, args=("-H", f"Authorization: Bearer {TOKEN}"))
+    seen = json.loads(r.stdout)
+    assert "authorization" not in dict(seen["headers"])
+    r = curl(stack, f"{base}?a=1&token={TOKEN}&b=2", args=("-D", "-", "-o", "/dev/null"))
+    head = r.stdout.lower()
+    assert head.startswith("http/1.1 303")
+    assert f"location: https://secure.{DOMAIN}/page?a=1&b=2" in head
+    assert "set-cookie: sbx_token=" in head and "httponly" in head and "secure" in head
+    r = curl(stack, base, args=("-H", f"Cookie: other=1; sbx_token={TOKEN}"))
+    seen = json.loads(r.stdout)
+    assert dict(seen["headers"]).get("cookie") == "other=1"
+    assert all(TOKEN not in v for _, v in seen["headers"])
+
+
+def test_upload_and_download_stream_exactly(stack: dict[str, Any], tmp_path: Path) -> None:
+    body = tmp_path / "up.bin"
+    body.write_bytes(b"y" * (8 << 20))
+    r = curl(stack, f"https://alpha.{DOMAIN}/upload", args=("--data-binary", f"@{body}"))
+    seen = json.loads(r.stdout)
+    assert seen["body_len"] == 8 << 20 and seen["body_sha256"] == hashlib.sha256(body.read_bytes()).hexdigest()
+    down = subprocess.run([CURL or "curl", "-sS", "--http1.1", "--cacert", str(stack["pki"].ca_file), "--resolve",
+                           f"alpha.{DOMAIN}:{stack['gw'].port}:127.0.0.1",
+                           f"https://alpha.{DOMAIN}:{stack['gw'].port}/bytes/{8 << 20}"], capture_output=True,
+                          timeout=60)
+    assert hashlib.sha256(down.stdout).hexdigest() == hashlib.sha256(b"x" * (8 << 20)).hexdigest()
+
+
+def raw_tls(stack: dict[str, Any], sni: str) -> ssl.SSLSocket:
+    ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
+    ctx.set_alpn_protocols(["http/1.1"])
+    s = socket.create_connection(("127.0.0.1", stack["gw"].port), timeout=10)
+    return ctx.wrap_socket(s, server_hostname=sni)
+
+
+def exchange(stack: dict[str, Any], data: bytes) -> bytes:
+    s = raw_tls(stack, f"alpha.{DOMAIN}")
+    s.sendall(data)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (ConnectionResetError, ssl.SSLError, TimeoutError):
+        pass
+    s.close()
+    return out
+
+
+SMUGGLING = {
+    "cl_te": b"POST / HTTP/1.1\r\nHost: alpha.sbx.test\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+             b"0\r\n\r\n",
+    "cl_cl": b"POST / HTTP/1.1\r\nHost: alpha.sbx.test\r\nContent-Length: 4\r\nContent-Length: 4\r\n\r\nabcd",
+    "cl_list": b"POST / HTTP/1.1\r\nHost: alpha.sbx.test\r\nContent-Length: 4, 5\r\n\r\nabcd",
+    "te_obfuscated": b"POST / HTTP/1.1\r\nHost: alpha.sbx.test\r\nTransfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
+    "te_space": b"POST / HTTP/1.1\r\nHost: alpha.sbx.test\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n",
+    "obs_fold": b"GET / HTTP/1.1\r\nHost: alpha.sbx.test\r\nX-A: 1\r\n  folded\r\n\r\n",
+    "nul": b"GET / HTTP/1.1\r\nHost: alpha.sbx.test\r\nX-A: a\x00b\r\n\r\n",
+    "ctl_name": b"GET / HTTP/1.1\r\nHost: alpha.sbx.test\r\nX\x01A: b\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(SMUGGLING))
+def test_smuggling_corpus_is_400_and_nothing_is_forwarded(stack: dict[str, Any], case: str) -> None:
+    app: EchoHttp = stack["app"]
+    before = len(app.requests)
+    out = exchange(stack, SMUGGLING[case])
+    assert out.startswith(b"HTTP/1.1 400"), out[:80]
+    assert len(app.requests) == before
+
+
+def test_a_head_over_the_limit_is_431(stack: dict[str, Any]) -> None:
+    out = exchange(stack, b"GET / HTTP/1.1\r\nHost: alpha.sbx.test\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 431"), out[:80]
+
+
+def test_slowloris_is_cut_at_the_header_timeout(stack: dict[str, Any]) -> None:
+    s = raw_tls(stack, f"alpha.{DOMAIN}")
+    s.settimeout(0.2)
+    s.sendall(b"GET / HTTP/1.1\r\nHost: alpha.sbx.test\r\n")
+    t0 = time.monotonic()
+    closed = False
+    while time.monotonic() - t0 < 5 and not closed:
+        try:
+            s.sendall(b"X-Drip: 1\r\n")
+            closed = s.recv(1) == b""
+        except TimeoutError:
+            continue
+        except OSError:  # ssl.SSLError included: the gateway hung up
+            closed = True
+    took = time.monotonic() - t0
+    s.close()
+    assert closed, "a head dripped for 5 s was never cut"
+    assert 0.8 < took < 3.5, took  # header_timeout is 1 s here
+
+
+def test_raw_tcp_route_by_sni_alone(stack: dict[str, Any]) -> None:
+    tcp: SandboxApp = stack["tcp"]
+    ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
+    s = socket.create_connection(("127.0.0.1", stack["gw"].port), timeout=10)
+    t = ctx.wrap_socket(s, server_hostname=f"{tcp.port}-alpha.{DOMAIN}")  # no ALPN, like openssl s_client
+    t.sendall(b"ping over raw tls")
+    assert t.recv(100) == b"ping over raw tls"
+    t.close()
+
+
+def test_openssl_s_client_reaches_a_raw_route(stack: dict[str, Any]) -> None:
+    # How SSH reaches a sandbox: ProxyCommand openssl s_client -quiet -servername <port>-<sandbox>.<domain> ...
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    tcp: SandboxApp = stack["tcp"]
+    proc = subprocess.Popen(
+        [openssl, "s_client", "-quiet", "-servername", f"{tcp.port}-alpha.{DOMAIN}", "-CAfile",
+         str(stack["pki"].ca_file), "-verify_return_error", "-connect", f"127.0.0.1:{stack['gw'].port}"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(b"hello from s_client\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"hello from s_client\n"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
