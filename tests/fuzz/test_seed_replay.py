@@ -18,6 +18,7 @@ from types import ModuleType
 import fuzz_arp
 import fuzz_egress_frames
 import fuzz_feed
+import fuzz_names
 import fuzz_preamble
 import fuzz_rewrite
 import fuzz_segment
@@ -53,6 +54,7 @@ CORPORA = (
     Corpus("vxlan", fuzz_vxlan, 10, named_outcome=True),
     Corpus("arp", fuzz_arp, 10, named_outcome=True),
     Corpus("feed", fuzz_feed, 20, FEED_CASES, named_outcome=True),
+    Corpus("names", fuzz_names, 20, ("ok-h2-authority-only", "host_mismatch-*", "wrong_port-*"), named_outcome=True),
 )
 BY_NAME = {c.name: c for c in CORPORA}
 
