@@ -356,10 +356,14 @@ class H1Session:
 
     def _response_headers(self, headers: Any) -> list[tuple[bytes, bytes]]:
         tokens = {t.strip().lower() for n, v in headers if n == b"connection" for t in v.split(b",")}
+        upgrading = b"upgrade" in tokens  # a 101: Upgrade and "Connection: upgrade" are the answer itself
         out = []
         for n, v in headers:
+            if upgrading and n == b"upgrade":
+                out.append((n, v))
+                continue
             if n in (b"connection", b"keep-alive", b"proxy-connection", b"trailer") or n in tokens:
-                if n == b"connection" and b"upgrade" in tokens:
+                if n == b"connection" and upgrading:
                     out.append((n, b"upgrade"))
                 continue
             out.append((n, v))

@@ -10,6 +10,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ def stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
         conn.shutdown(socket.SHUT_WR)
 
     tcp = SandboxApp(echo)
+    ws_server, ws_port = websocket_echo()
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
     dead_port = int(dead.getsockname()[1])
@@ -58,6 +60,7 @@ def stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
                               default=app.port),
         "beta": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port),
         "secure": registration(pki, fwd.port, {secure.port: ("http", "token")}, default=secure.port),
+        "ws": registration(pki, fwd.port, {ws_port: ("http", "public")}, default=ws_port),
         "gone": registration(pki, dead_port, {app.port: ("http", "public")}, default=app.port, deadline=0.5),
     }}))
     gw = GatewayThread(pki, routes, header_timeout=1.0, idle_timeout=5.0)
@@ -66,6 +69,20 @@ def stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
     fwd.stop()
     app.stop()
     secure.stop()
+    ws_server.shutdown()
+
+
+def websocket_echo() -> tuple[Any, int]:
+    """A sandbox's WebSocket app (the websockets library's server), echoing every message."""
+    from websockets.sync.server import serve
+
+    def handler(conn: Any) -> None:
+        for message in conn:
+            conn.send(message)
+
+    server = serve(handler, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, int(server.socket.getsockname()[1])
 
 
 def curl(stack: dict[str, Any], *urls: str, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -246,3 +263,17 @@ def test_openssl_s_client_reaches_a_raw_route(stack: dict[str, Any]) -> None:
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f is not None:
                 f.close()
+
+
+def test_a_websocket_session_through_the_gateway(stack: dict[str, Any]) -> None:
+    from websockets.sync.client import connect
+
+    gw: GatewayThread = stack["gw"]
+    ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
+    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+    with connect(f"wss://ws.{DOMAIN}:{gw.port}/chat", sock=sock, ssl=ctx, server_hostname=f"ws.{DOMAIN}",
+                 proxy=None, open_timeout=10) as ws:
+        for msg in ("hello", "x" * 100_000, b"\x00\x01binary"):
+            ws.send(msg)
+            assert ws.recv(timeout=10) == msg
+    assert gw.sample("sbxnet_gateway_requests_total", {"kind": "upgrade", "status": "101"}) >= 1
