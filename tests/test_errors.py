@@ -6,10 +6,10 @@ import pytest
 
 from forwarder.egress.errors import FrameRefused
 from forwarder.ingress.planes.ktls import KtlsUnavailable
-from forwarder.ingress.server import ListenError
 from forwarder.ingress.target_guard import TargetRefused
 from forwarder.taps.errors import InvalidMacError, TapError, TapNetlinkError
 from sbxnet.errors import ConfigError, EnvironmentFault, LocalProtocolError, RemoteProtocolError, SbxnetError
+from sbxnet.listen import ListenError
 from sbxnet.protocol.preamble import PreambleError
 from sbxnet.protocol.status import Status, StatusError
 

@@ -57,7 +57,8 @@ def run_single(settings: ForwarderSettings, *, reuse_port: bool = False, ops: bo
 async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> int:
     from prometheus_client import generate_latest
 
-    from forwarder.ingress.server import ForwarderServer, ListenError
+    from forwarder.ingress.server import ForwarderServer
+    from sbxnet.listen import ListenError
     from sbxnet.ops_http import OpsServer
 
     server = ForwarderServer(settings, reuse_port=reuse_port)

@@ -22,41 +22,10 @@ from forwarder.ingress.sequence import ConnectionSequence
 from forwarder.ingress.settings import ForwarderSettings
 from forwarder.ingress.target_guard import TargetPolicy
 from forwarder.ingress.tls_context import server_context
-from sbxnet.errors import EnvironmentFault
+from sbxnet.listen import bind_listener
 
 log = logging.getLogger("sbxnet.forwarder")
 HOST_ADDRESS_REFRESH_S = 10
-
-
-class ListenError(EnvironmentFault):
-    """The listening socket cannot be had (port taken, permission, no such address)."""
-
-
-def bind_listener(host: str, port: int, *, reuse_port: bool, backlog: int = 1024) -> socket.socket:
-    """A listening socket, or ListenError with a message an operator can act on."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ListenError(
-                "listen",
-                f"cannot listen on {host}:{port}: the address is already in use by another process "
-                f"(stop it, or choose another port with listen_port / SBXNET_FORWARDER_LISTEN_PORT)",
-            ) from None
-        if e.errno == errno.EACCES:
-            raise ListenError("listen", f"cannot listen on {host}:{port}: permission denied") from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise ListenError("listen", f"cannot listen on {host}:{port}: no such local address") from None
-        raise ListenError("listen", f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.setblocking(False)
-    return sock
 
 
 def make_plane(settings: ForwarderSettings, metrics: ForwarderMetrics | None = None) -> DataPlane:
@@ -122,7 +91,12 @@ class ForwarderServer:
     async def start(self, listener: socket.socket | None = None) -> None:
         s = self.settings
         await self.refresh_host_addresses()
-        self._listener = listener or bind_listener(str(s.listen_host), s.listen_port, reuse_port=self._reuse_port)
+        self._listener = listener or bind_listener(
+            str(s.listen_host),
+            s.listen_port,
+            reuse_port=self._reuse_port,
+            setting="listen_port / SBXNET_FORWARDER_LISTEN_PORT",
+        )
         self.metrics.data_plane.labels(self.plane.name).set(1)
         self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
         self._flush_task = asyncio.create_task(self._flush_loop(), name="metrics-flush")

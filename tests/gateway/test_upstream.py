@@ -146,8 +146,10 @@ class _ForwarderOnPort(ForwarderThread):
 
         fixed = port
 
-        def bind(host: str, port: int, *, reuse_port: bool, backlog: int = 1024) -> socket.socket:
-            return real(host, fixed, reuse_port=reuse_port, backlog=backlog)
+        def bind(
+            host: str, port: int, *, reuse_port: bool, backlog: int = 1024, setting: str = "the listen port setting"
+        ) -> socket.socket:
+            return real(host, fixed, reuse_port=reuse_port, backlog=backlog, setting=setting)
 
         server_mod.bind_listener = bind
         try:
