@@ -58,6 +58,57 @@ def smuggling_reason(raw_head: bytes) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """An answer the gateway gives a request itself (nothing went upstream)."""
+
+    status: int
+    message: str
+    headers: list[tuple[bytes, bytes]]
+    reason: str  # a metrics token; "" for none
+    close: bool = False  # HTTP/1.1: close the connection after it (a request whose authority is malformed)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    fwd: Forward  # the route, fresh after a wake
+    allow: Allow  # the target and headers to send upstream
+    host: str  # the Host to send upstream
+
+
+async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: bytes, hosts: list[bytes],
+                headers: list[tuple[bytes, bytes]], authority: bytes | None = None, http2: bool = False,
+                http10: bool = False) -> Admitted | Refusal:
+    """One request's decision, shared by the HTTP/1.1 and HTTP/2 fronts: ``routing.request_target``
+    (400, 421), the route (``decide_http``: 404), a wake if not active (503), ``auth.authorize``
+    (401, 403, the ``?token=`` redirect)."""
+    cfg = gw.config
+    t = request_target(cfg.names, conn_name, target=target, hosts=hosts, authority=authority, http2=http2,
+                       http10=http10)
+    if isinstance(t, Answer):
+        return Refusal(t.status, t.message, [], t.reason, close=t.status == 400)
+    name = t
+    route = await gw.route(name.sandbox)
+    decision = decide_http(name, route)
+    if isinstance(decision, Answer):
+        return Refusal(decision.status, decision.message, [], decision.reason)
+    fwd = decision
+    if fwd.route.state != "active":
+        woken = await gw.wake(name.sandbox)
+        if woken is None:
+            return Refusal(503, "the sandbox is starting: try again shortly", [(b"retry-after", b"1")],
+                           "wake_pending")
+        fwd = Forward(woken, fwd.sandbox, fwd.port, fwd.protocol, fwd.auth)
+    host = cfg.names.host_of(name)
+    verdict = authorize(cfg.auth, auth=fwd.auth, token_sha256=fwd.route.token_sha256, target=target,
+                        headers=headers, client_ip=client_ip, host=host)
+    if isinstance(verdict, Deny):
+        return Refusal(verdict.status, verdict.message, list(verdict.headers), verdict.reason)
+    if isinstance(verdict, Redirect):
+        return Refusal(verdict.status, "authenticated: continue at the location given", list(verdict.headers), "")
+    return Admitted(fwd, verdict, host)
+
+
 class _ClientGone(Exception):
     pass
 
@@ -195,36 +246,12 @@ class H1Session:
             await self.answer(421, "this connection's server name is not served here", reason="misdirected")
             return await self._drain_body()
         hosts = [v for n, v in req.headers if n == b"host"]
-        target = request_target(cfg.names, self.conn_name, target=req.target, hosts=hosts,
-                                http10=req.http_version == b"1.0")
-        if isinstance(target, Answer):
-            await self.answer(target.status, target.message, close=target.status == 400, reason=target.reason)
-            return target.status != 400 and await self._drain_body()
-        name = target
-        route = await self.gw.route(name.sandbox)
-        decision = decide_http(name, route)
-        if isinstance(decision, Answer):
-            await self.answer(decision.status, decision.message, reason=decision.reason)
-            return await self._drain_body()
-        fwd = decision
-        if fwd.route.state != "active":
-            woken = await self.gw.wake(name.sandbox)
-            if woken is None:
-                await self.answer(503, "the sandbox is starting: try again shortly", [(b"retry-after", b"1")],
-                                  reason="wake_pending")
-                return await self._drain_body()
-            fwd = Forward(woken, fwd.sandbox, fwd.port, fwd.protocol, fwd.auth)
-        host = cfg.names.host_of(name)
-        verdict = authorize(cfg.auth, auth=fwd.auth, token_sha256=fwd.route.token_sha256, target=req.target,
-                            headers=list(req.headers), client_ip=self.peer[0], host=host)
-        if isinstance(verdict, Deny):
-            await self.answer(verdict.status, verdict.message, verdict.headers, reason=verdict.reason)
-            return await self._drain_body()
-        if isinstance(verdict, Redirect):
-            await self.answer(verdict.status, "authenticated: continue at the location given", verdict.headers,
-                              reason="")
-            return await self._drain_body()
-        return await self._proxy(req, fwd, verdict, host)
+        d = await admit(self.gw, self.conn_name, self.peer[0], target=req.target, hosts=hosts,
+                        headers=list(req.headers), http10=req.http_version == b"1.0")
+        if isinstance(d, Refusal):
+            await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)
+            return not d.close and await self._drain_body()
+        return await self._proxy(req, d.fwd, d.allow, d.host)
 
     async def _drain_body(self) -> bool:
         """Read and drop the body of a request we answered ourselves, so the connection can go on."""
