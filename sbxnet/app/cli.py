@@ -16,6 +16,7 @@ from sbxnet.errors import ConfigError
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "forwarder": ("forwarder.ingress.cli", "run the ingress forwarder on a sandbox host"),
+    "gateway": ("gateway.cli", "run the TLS front end: route each request to its sandbox over the forwarder link"),
     "certs": ("certs.cli", "mint a CA, forwarder and gateway certificates; print SPKI pins"),
     "tap": ("forwarder.taps.cli", "set up or remove a VM tap: fixed MAC, permanent guest neighbour entry"),
     "demo": ("sbxnet.app.demo", "run the loopback demo: forwarder, sample sandbox app, gateway-like client"),

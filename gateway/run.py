@@ -1,0 +1,132 @@
+"""Running a gateway process: logging, the event loop, signals, the ops endpoints.
+
+SIGTERM and SIGINT drain (stop accepting, let live connections finish up to ``drain_timeout``); SIGHUP
+reloads the client-facing certificates and the routes file, keeping the old ones if either fails to load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from gateway.route_source import StaticRoutes
+from gateway.server import GatewayConfig
+from gateway.settings import GatewaySettings
+from sbxnet import jsonlog
+
+log = logging.getLogger("sbxnet.gateway")
+
+
+def build_config(settings: GatewaySettings) -> GatewayConfig:
+    """Everything the server needs, loaded from the settings; raises what loading certificates and the
+    routes file raises (certs.loader.LOAD_ERRORS, EnvironmentFault)."""
+    from certs.loader import client_context
+    from gateway.auth import AuthConfig
+    from gateway.names import Names
+    from gateway.route_source import StaticRoutes
+    from gateway.tls_front import CertPair, FrontTls
+    from gateway.upstream import UpstreamPolicy
+
+    s = settings
+    return GatewayConfig(
+        names=Names(s.domain, listen_port=s.listen_port),
+        front=FrontTls([CertPair(c, k) for c, k in zip(s.cert_files, s.key_files, strict=True)],
+                       alpn=("http/1.1",)),
+        routes=StaticRoutes(s.routes_file),
+        upstream=UpstreamPolicy(
+            client_context(cert_file=s.upstream_cert_file, key_file=s.upstream_key_file, ca_file=s.upstream_ca_file)
+        ),
+        auth=AuthConfig(header=s.token_header.encode(), cookie=s.token_cookie.encode(),
+                        query_param=s.token_param.encode()),
+        handshake_timeout=s.handshake_timeout,
+        header_timeout=s.header_timeout,
+        idle_timeout=s.idle_timeout,
+        websocket_idle_timeout=s.websocket_idle_timeout,
+        tcp_idle_timeout=s.tcp_idle_timeout,
+        max_header_bytes=s.max_header_bytes,
+        max_connections=s.max_connections,
+        max_connections_per_sandbox=s.max_connections_per_sandbox,
+        wake_wait=s.wake_wait,
+    )
+
+
+def serve(settings: GatewaySettings, *, check_only: bool = False) -> int:
+    jsonlog.setup(settings.log_level)
+    from certs.loader import LOAD_ERRORS
+    from sbxnet.errors import SbxnetError
+
+    try:
+        build_config(settings)
+    except LOAD_ERRORS as e:
+        print(f"gateway: cannot load the TLS material ({e}); check cert_files, key_files and upstream_*",
+              file=sys.stderr)
+        return 2
+    except SbxnetError as e:
+        print(f"gateway: {e.detail or e}", file=sys.stderr)
+        return 2
+    if check_only:
+        print("gateway: settings, certificates and routes are valid")
+        return 0
+    import uvloop
+
+    return uvloop.run(_main(settings))
+
+
+async def _main(settings: GatewaySettings) -> int:
+    from prometheus_client import generate_latest
+
+    from gateway.server import GatewayServer
+    from sbxnet.listen import ListenError, bind_listener
+    from sbxnet.ops_http import OpsServer
+
+    config = build_config(settings)
+    server = GatewayServer(config)
+    ops = None
+    if settings.metrics_port:
+        ops = OpsServer(lambda: generate_latest(server.metrics.registry), lambda: server.ready)
+        try:
+            port = await ops.start(str(settings.metrics_host), settings.metrics_port)
+        except OSError as e:
+            print(f"gateway: cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: {e.strerror} "
+                  "(choose another metrics_port, or 0 to disable)", file=sys.stderr)
+            return 1
+        log.info("ops endpoints up", extra={"event": "ops_listening",
+                                             "fields": {"address": f"{settings.metrics_host}:{port}"}})
+    try:
+        listener = bind_listener(str(settings.listen_host), settings.listen_port, reuse_port=False,
+                                 setting="listen_port / SBXNET_GATEWAY_LISTEN_PORT")
+    except ListenError as e:
+        print(f"gateway: {e.detail}", file=sys.stderr)
+        if ops:
+            await ops.close()
+        return 1
+    await server.start(listener)
+    log.info("gateway listening", extra={"event": "listening",
+                                         "fields": {"address": f"{settings.listen_host}:{server.port}",
+                                                    "domain": settings.domain}})
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(config))
+    await stop.wait()
+    log.info("draining", extra={"event": "draining", "fields": {"open": server.open_connections}})
+    cut = await server.drain(settings.drain_timeout)
+    if ops:
+        await ops.close()
+    log.info("stopped", extra={"event": "stopped", "fields": {"cut": cut}})
+    return 0
+
+
+def _reload(config: GatewayConfig) -> None:
+    routes = config.routes
+    routes_err = routes.reload() if isinstance(routes, StaticRoutes) else None
+    for what, err in (("certificates", config.front.reload()), ("routes", routes_err)):
+        if err is None:
+            log.info(f"{what} reloaded", extra={"event": "reloaded", "fields": {"what": what}})
+        else:
+            log.error(f"{what} reload failed; keeping the current ones",
+                      extra={"event": "reload_failed", "reason": type(err).__name__,
+                             "fields": {"what": what, "error": str(err)}})

@@ -1,0 +1,72 @@
+"""The gateway's one typed settings object, validated at start-up (env SBXNET_GATEWAY_*, [gateway])."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated, Literal
+
+from pydantic import Field, FilePath, IPvAnyAddress, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _split_list(value: object) -> object:
+    # Environment variables carry lists as comma-separated text; TOML carries real arrays.
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SBXNET_GATEWAY_", extra="forbid", frozen=True)
+
+    listen_host: IPvAnyAddress = ipaddress.IPv4Address("0.0.0.0")
+    listen_port: int = Field(443, ge=1, le=65535)
+    metrics_host: IPvAnyAddress = ipaddress.IPv4Address("127.0.0.1")
+    metrics_port: int = Field(9465, ge=0, le=65535, description="0 disables /metrics, /healthz, /readyz")
+
+    domain: str = Field(description="sandboxes are <port>-<sandbox>.<domain> and <sandbox>.<domain>")
+    cert_files: Annotated[list[FilePath], NoDecode] = Field(min_length=1, description="client-facing certificates")
+    key_files: Annotated[list[FilePath], NoDecode] = Field(min_length=1, description="their keys, in the same order")
+
+    routes_file: FilePath = Field(description="registrations as JSON: {\"sandboxes\": {\"<id>\": {...}}}")
+    upstream_cert_file: FilePath = Field(description="the gateway's client certificate for the forwarder link")
+    upstream_key_file: FilePath
+    upstream_ca_file: FilePath = Field(description="CA the forwarders' certificates chain to (and are pinned)")
+
+    handshake_timeout: float = Field(10.0, gt=0, le=120)
+    header_timeout: float = Field(10.0, gt=0, le=300, description="a request head must be whole within this")
+    idle_timeout: float = Field(75.0, gt=0, le=3600, description="an idle HTTP keep-alive connection")
+    websocket_idle_timeout: float = Field(3600.0, gt=0, le=86400)
+    tcp_idle_timeout: float = Field(3600.0, gt=0, le=86400)
+    max_header_bytes: int = Field(16384, ge=1024, le=1 << 20)
+    max_connections: int = Field(10000, ge=1, le=1_000_000)
+    max_connections_per_sandbox: int = Field(1000, ge=1, le=1_000_000)
+    wake_wait: float = Field(10.0, gt=0, le=60)
+    drain_timeout: float = Field(30.0, ge=0, le=3600)
+    token_header: str = "X-Sbx-Token"
+    token_cookie: str = "sbx_token"
+    token_param: str = "token"
+    workers: int = Field(1, ge=1, le=1, description="one process for now (SO_REUSEPORT workers come later)")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    _split = field_validator("cert_files", "key_files", mode="before")(_split_list)
+
+    @model_validator(mode="after")
+    def _pairs(self) -> GatewaySettings:
+        if len(self.cert_files) != len(self.key_files):
+            raise ValueError(
+                f"cert_files ({len(self.cert_files)}) and key_files ({len(self.key_files)}) must pair up one to one"
+            )
+        return self
+
+    @field_validator("domain")
+    @classmethod
+    def _domain(cls, value: str) -> str:
+        from gateway.names import Names
+        from sbxnet.errors import ConfigError
+
+        try:
+            Names(value)
+        except ConfigError as e:  # pydantic reports ValueErrors as field errors with the value given
+            raise ValueError(str(e).split(": ", 1)[-1]) from None
+        return value
