@@ -1,0 +1,497 @@
+"""The SQLite store (scheduler/sqlite_store.py) and the steps that tie it to the cores (scheduler/store.py):
+registrations and the ledger survive reopening; ``apply_batch`` commits all or nothing (a failing
+statement in the middle, a process that dies inside the transaction, a closed connection); a batch whose
+answer was lost in a crash is a duplicate after the restart; the timer core comes back as it was; and a
+simulation of the real outbox, ledger and store through lost answers, failed transactions and reopenings
+ends with totals equal to the bytes metered."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forwarder.ingress.feed_outbox import Outbox
+from forwarder.ingress.metering import SandboxDelta
+from sbxnet.errors import LocalProtocolError
+from sbxnet.protocol.feed import Answer, Batch, SandboxReport, new_epoch, pull_answer, pull_batch, push_answer
+from sbxnet.protocol.routes import Registration, pull_registration
+from scheduler.feed_ledger import Verdict, decide
+from scheduler.sqlite_store import SCHEMA_VERSION, SqliteStore
+from scheduler.store import CoreAhead, LedgerConflict, StoreError, ingest_batch, load_core
+from scheduler.timers import Event, SandboxConfig, State, TimerCore, Why
+
+ROOT = Path(__file__).resolve().parents[2]
+PIN = base64.b64encode(hashlib.sha256(b"spki").digest()).decode()
+FWD = "spiffe://sbxnet.test/forwarder"
+E1 = new_epoch(1_000, bytes(8))
+E2 = new_epoch(2_000, bytes(8))
+
+
+def reg(incarnation: str = "inc-1", period: float = 300, activity: str = "bytes") -> Registration:
+    body: dict[str, Any] = {
+        "incarnation": incarnation,
+        "forwarder": {"address": "10.0.3.7:8443", "spki_pin": PIN},
+        "target_ip": "10.200.1.5",
+        "default_port": 8080,
+        "ports": {"8080": {"protocol": "http", "auth": "public"}, "22": {"protocol": "tcp", "auth": "public"}},
+        "idle_period_s": period,
+        "activity": activity,
+    }
+    return pull_registration(json.dumps(body).encode())
+
+
+def register(core: TimerCore, store: SqliteStore, sid: str, r: Registration, now: float) -> list[Event]:
+    """What the registry's PUT handler will do: the core first, then the store, in one transaction."""
+    events = core.register(SandboxConfig(sid, r.incarnation, r.idle_period_s, r.activity, now), now)  # type: ignore[arg-type]
+    store.put_registration(sid, r, core.config(sid).registered_at, core.snapshot(sid), events)
+    return events
+
+
+def batch(epoch: str, seq: int, *entries: tuple[str, int, int]) -> Batch:
+    return Batch(epoch, seq, tuple(SandboxReport(s, i, o, 0, 0.0) for s, i, o in entries))
+
+
+def totals(store: SqliteStore) -> dict[str, tuple[int, int]]:
+    return {s.sandbox: (s.state.bytes_in, s.state.bytes_out) for s in store.sandboxes()}
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "scheduler.db"
+
+
+def opened(db: Path) -> tuple[SqliteStore, TimerCore]:
+    store = SqliteStore(db)
+    return store, load_core(store)
+
+
+def with_sandboxes(db: Path, *sids: str) -> tuple[SqliteStore, TimerCore]:
+    store, core = opened(db)
+    for sid in sids:
+        register(core, store, sid, reg(), 100.0)
+    return store, core
+
+
+# --- opening -------------------------------------------------------------------------------------------
+
+
+def test_open_sets_wal_full_and_the_schema_version(db: Path) -> None:
+    with SqliteStore(db) as store:
+        c = store._conn
+        assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert c.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        assert c.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    with SqliteStore(db, synchronous="NORMAL") as store:  # reopening keeps the one version row
+        assert store._conn.execute("PRAGMA synchronous").fetchone()[0] == 1
+        assert store._conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == 1
+
+
+def test_a_file_of_another_schema_version_is_refused(db: Path) -> None:
+    SqliteStore(db).close()
+    c = sqlite3.connect(db)
+    c.execute("UPDATE schema_version SET version = 99")
+    c.commit()
+    c.close()
+    with pytest.raises(StoreError) as e:
+        SqliteStore(db)
+    assert e.value.reason == "schema_version"
+
+
+def test_bad_settings_and_unopenable_paths(tmp_path: Path) -> None:
+    with pytest.raises(LocalProtocolError):
+        SqliteStore(tmp_path / "x.db", synchronous="OFF")  # type: ignore[arg-type]
+    with pytest.raises(StoreError):
+        SqliteStore(tmp_path / "no" / "such" / "dir.db")
+    with pytest.raises(StoreError) as e:
+        SqliteStore(":memory:")  # no WAL without a file
+    assert e.value.reason == "not_wal"
+
+
+# --- registrations -------------------------------------------------------------------------------------
+
+
+def test_registrations_round_trip_and_survive_reopening(db: Path) -> None:
+    store, core = opened(db)
+    a, b = reg("inc-a", 60, "connections"), reg("inc-b", 300)
+    register(core, store, "sbx-b", b, 5.0)
+    register(core, store, "sbx-a", a, 7.0)
+    store.close()
+    with SqliteStore(db) as store:
+        rows = store.sandboxes()
+        assert [(r.sandbox, r.registration, r.registered_at) for r in rows] == [("sbx-a", a, 7.0), ("sbx-b", b, 5.0)]
+        assert rows[0].config() == core.config("sbx-a") and rows[0].state == core.snapshot("sbx-a")
+        # A new incarnation replaces the row and its state.
+        core2 = load_core(store)
+        core2.on_report("sbx-a", 10, 20, 0, 8.0, 8.0)
+        store.save({"sbx-a": core2.snapshot("sbx-a")}, [])
+        register(core2, store, "sbx-a", reg("inc-a2"), 9.0)
+        assert store.remove_registration("sbx-b") and not store.remove_registration("sbx-b")
+    with SqliteStore(db) as store:
+        (row,) = store.sandboxes()
+        assert (row.registration.incarnation, row.registered_at, row.state.bytes_in) == ("inc-a2", 9.0, 0)
+
+
+def test_events_have_increasing_ids_and_webhooks_are_tracked(db: Path) -> None:
+    store, core = with_sandboxes(db, "sbx-a")
+    evs = core.on_timer(1000.0) + core.wake("sbx-a", 1001.0).events
+    ids = store.save({"sbx-a": core.snapshot("sbx-a")}, evs)
+    assert [e.to_state for e in evs] == [State.IDLE, State.WAKING]
+    store.close()
+    with SqliteStore(db) as store:
+        every = store.events_after(0)
+        assert [e.id for e in every] == sorted(e.id for e in every) and [e.id for e in every][1:] == ids
+        assert [e.event for e in every][1:] == evs and every[0].event.why is Why.REGISTERED
+        assert [e.event for e in store.events_after(ids[0])] == evs[1:]
+        assert [e.id for e in store.undelivered_webhooks()] == ids  # idle and waking
+        store.mark_delivered(ids[:1])
+        assert [e.id for e in store.undelivered_webhooks()] == ids[1:]
+        store._conn.execute("DELETE FROM events")  # ids are never reused, even after pruning
+        assert store.save({}, evs[:1])[0] > ids[-1]
+
+
+# --- the ledger ----------------------------------------------------------------------------------------
+
+
+def test_the_ledger_record_survives_reopening(db: Path) -> None:
+    store, core = with_sandboxes(db, "sbx-a")
+    assert store.ledger(FWD) is None
+    for seq in (1, 2, 3):
+        d, _ = ingest_batch(core, store, FWD, batch(E1, seq, ("sbx-a", 1, 2)), 200.0)
+        assert d.verdict is Verdict.APPLY
+    store.close()
+    store, core = opened(db)
+    assert store.ledger(FWD) is not None and (store.ledger(FWD).epoch, store.ledger(FWD).last_seq) == (E1, 3)  # type: ignore[union-attr]
+    assert ingest_batch(core, store, FWD, batch(E2, 1, ("sbx-a", 1, 2)), 201.0)[0].reason == "restart"
+    store.close()
+    with SqliteStore(db) as store:
+        rec = store.ledger(FWD)
+        assert rec is not None and (rec.epoch, rec.last_seq) == (E2, 1)
+        assert store.ledger("another") is None
+        assert totals(store) == {"sbx-a": (4, 8)}
+
+
+def test_apply_batch_takes_only_the_apply_decision_for_that_batch(db: Path) -> None:
+    with SqliteStore(db) as store:
+        b1 = batch(E1, 1)
+        with pytest.raises(LocalProtocolError):
+            store.apply_batch(FWD, b1, decide(None, batch(E1, 2)), {}, [])  # a gap
+        with pytest.raises(LocalProtocolError):
+            store.apply_batch(FWD, batch(E2, 1), decide(None, b1), {}, [])  # another batch's
+        assert store.ledger(FWD) is None
+
+
+def test_a_claim_on_a_record_that_moved_conflicts_and_writes_nothing(db: Path) -> None:
+    """Two writers on one file (what two replicas on PostgreSQL will be): both decide on the same record,
+    the second claim fails, and nothing of its batch is written."""
+    a, core_a = with_sandboxes(db, "sbx-a")
+    b, core_b = opened(db)
+    ingest_batch(core_a, a, FWD, batch(E1, 1, ("sbx-a", 1, 1)), 101.0)
+    for first in (batch(E1, 2, ("sbx-a", 5, 5)), batch(E2, 1, ("sbx-a", 5, 5))):
+        stale = decide(b.ledger(FWD), first)
+        ingest_batch(core_a, a, FWD, first, 102.0)
+        with pytest.raises(LedgerConflict):
+            b.apply_batch(FWD, first, stale, {"sbx-a": core_b.snapshot("sbx-a")}, [])
+    assert totals(b) == {"sbx-a": (11, 11)} and b.ledger(FWD) == a.ledger(FWD)
+    # An epoch's first batch over a record of a newer epoch does not claim it either.
+    with pytest.raises(LedgerConflict):
+        b.apply_batch(FWD, batch(E1, 1), decide(None, batch(E1, 1)), {}, [])
+    a.close()
+    b.close()
+
+
+# --- atomicity -----------------------------------------------------------------------------------------
+
+TRIGGERS = {
+    "ledger": ["AFTER INSERT ON feed_ledger", "AFTER UPDATE ON feed_ledger"],
+    "sandboxes": ["AFTER UPDATE ON sandboxes"],
+    "events": ["AFTER INSERT ON events"],
+}
+
+
+def snapshot_db(store: SqliteStore) -> tuple[object, ...]:
+    c = store._conn
+    return tuple(
+        c.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in ("sandboxes", "feed_ledger", "events")
+    )
+
+
+@pytest.mark.parametrize("where", sorted(TRIGGERS))
+@pytest.mark.parametrize("first", [True, False])
+def test_apply_batch_is_all_or_nothing(db: Path, where: str, first: bool) -> None:
+    """A statement fails in the middle of the transaction (the ledger claim, a sandbox's update, an event's
+    insert): the totals, the ledger and the events are as before, and the same batch applies afterwards."""
+    store, core = with_sandboxes(db, "sbx-a", "sbx-b")
+    if not first:
+        ingest_batch(core, store, FWD, batch(E1, 1, ("sbx-a", 1, 1)), 150.0)
+    b = batch(E1, 1 if first else 2, ("sbx-a", 10, 20), ("sbx-b", 30, 40))
+    core.on_timer(1000.0)  # both idle: the batch makes events (traffic -> active)
+    store.save({s: core.snapshot(s) for s in ("sbx-a", "sbx-b")}, [])
+    before = snapshot_db(store)
+    for i, on in enumerate(TRIGGERS[where]):
+        store._conn.execute(f"CREATE TEMP TRIGGER fail{i} {on} BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    with pytest.raises(CoreAhead):
+        ingest_batch(core, store, FWD, b, 1001.0)
+    assert snapshot_db(store) == before
+    assert not store._conn.in_transaction
+    for i in range(len(TRIGGERS[where])):
+        store._conn.execute(f"DROP TRIGGER fail{i}")
+    core = load_core(store)  # the core was ahead of the store: rebuilt
+    d, events = ingest_batch(core, store, FWD, b, 1002.0)
+    assert d.apply and len(events) == 2
+    assert totals(store) == {"sbx-a": (10 + (0 if first else 1), 20 + (0 if first else 1)), "sbx-b": (30, 40)}
+    store.close()
+
+
+def test_a_closed_connection_fails_cleanly(db: Path) -> None:
+    store, core = with_sandboxes(db, "sbx-a")
+    b = batch(E1, 1, ("sbx-a", 1, 1))
+    d = decide(store.ledger(FWD), b)
+    core.on_report("sbx-a", 1, 1, 0, 101.0, 101.0)
+    store._conn.close()
+    with pytest.raises(StoreError):
+        store.apply_batch(FWD, b, d, {"sbx-a": core.snapshot("sbx-a")}, [])
+    with pytest.raises(StoreError):  # before the core was touched: a plain StoreError, not CoreAhead
+        ingest_batch(core, store, FWD, b, 101.0)
+    with SqliteStore(db) as store:
+        assert store.ledger(FWD) is None and totals(store) == {"sbx-a": (0, 0)}
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[1])
+    from sbxnet.protocol.feed import Batch, SandboxReport
+    from scheduler.sqlite_store import SqliteStore
+    from scheduler.store import ingest_batch, load_core
+
+    store = SqliteStore(sys.argv[2])
+    core = load_core(store)
+    mode, epoch, seq = sys.argv[3], sys.argv[4], int(sys.argv[5])
+    if mode == "inside":  # the process dies in the middle of the transaction, after some writes
+        store._conn.create_function("die", 0, lambda: os._exit(9))
+        store._conn.execute("CREATE TEMP TRIGGER die AFTER INSERT ON events BEGIN SELECT die(); END")
+    b = Batch(epoch, seq, (SandboxReport("sbx-a", 10, 20, 0, 0.0), SandboxReport("sbx-b", 30, 40, 0, 0.0)))
+    decision, events = ingest_batch(core, store, "spiffe://sbxnet.test/forwarder", b, 1001.0)
+    os._exit(7 if decision.apply else 8)  # SIGKILL-like: the answer never reaches the forwarder
+    """
+)
+
+
+def child(db: Path, mode: str, b: Batch) -> int:
+    args = [sys.executable, "-c", CHILD, str(ROOT), str(db), mode, b.epoch, str(b.seq)]
+    return subprocess.run(args, timeout=60).returncode
+
+
+def idle_both(db: Path) -> None:
+    store, core = with_sandboxes(db, "sbx-a", "sbx-b")
+    events = core.on_timer(1000.0)
+    assert len(events) == 2
+    store.save({s: core.snapshot(s) for s in ("sbx-a", "sbx-b")}, events)
+    store.close()
+
+
+def test_a_process_that_dies_inside_the_transaction_applies_nothing(db: Path) -> None:
+    idle_both(db)
+    with SqliteStore(db) as store:
+        before = snapshot_db(store)
+    b = batch(E1, 1, ("sbx-a", 10, 20), ("sbx-b", 30, 40))
+    assert child(db, "inside", b) == 9
+    with SqliteStore(db) as store:
+        assert snapshot_db(store) == before
+        d, events = ingest_batch(load_core(store), store, FWD, b, 1002.0)  # the forwarder's resend
+        assert d.apply and [e.to_state for e in events] == [State.ACTIVE, State.ACTIVE]
+        assert totals(store) == {"sbx-a": (10, 20), "sbx-b": (30, 40)}
+
+
+def test_exactly_once_across_a_restart_whose_answer_was_lost(db: Path) -> None:
+    """The scheduler commits the batch and dies before its answer goes out; restarted, it gets the same
+    batch again (the forwarder resends it byte for byte): a duplicate, acknowledged, not applied again."""
+    idle_both(db)
+    b = batch(E1, 1, ("sbx-a", 10, 20), ("sbx-b", 30, 40))
+    assert child(db, "after", b) == 7
+    with SqliteStore(db) as store:
+        after = snapshot_db(store)
+        core = load_core(store)
+        assert totals(store) == {"sbx-a": (10, 20), "sbx-b": (30, 40)}
+        assert core.state_of("sbx-a") is State.ACTIVE
+        d, events = ingest_batch(core, store, FWD, b, 1003.0)
+        assert d.verdict is Verdict.DUPLICATE and d.answer == Answer.ok(1) and events == []
+        assert snapshot_db(store) == after and core.snapshot("sbx-a").bytes_in == 10
+    assert child(db, "after", b) == 8  # and again from another process
+
+
+# --- the timer core's state ----------------------------------------------------------------------------
+
+
+def test_timer_state_restored_after_reopening_is_the_same(db: Path) -> None:
+    store, core = opened(db)
+    for i, (period, policy) in enumerate([(30, "bytes"), (60, "connections"), (45, "bytes"), (90, "bytes")]):
+        register(core, store, f"sbx-{i}", reg(f"inc-{i}", period, policy), 10.0 + i)
+    sids = [f"sbx-{i}" for i in range(4)]
+
+    def persist(events: list[Event]) -> None:
+        store.save({s: core.snapshot(s) for s in sids}, events)
+
+    persist(core.on_report("sbx-0", 100, 2000, 1, 20.0, 20.5))
+    persist(core.on_report("sbx-1", 5, 5, 2, 21.0, 21.0))  # held open by its connections
+    persist(core.hold("sbx-2", 500, 22.0).events)
+    persist(core.on_timer(200.0))  # sbx-0 and sbx-3 idle
+    persist(core.driver_stopping("sbx-3", 201.0).events)
+    persist(core.driver_stopped("sbx-3", 202.0).events)
+    persist(core.wake("sbx-0", 203.0).events)
+    store.close()
+    with SqliteStore(db) as store2:
+        again = load_core(store2)
+    assert again.next_timer() == core.next_timer() is not None
+    assert again.status(250.0) == core.status(250.0)
+    assert [again.snapshot(s) for s in sids] == [core.snapshot(s) for s in sids]
+    assert [again.config(s) for s in sids] == [core.config(s) for s in sids]
+    assert again.on_timer(1000.0) == core.on_timer(1000.0)
+    assert again.driver_ready("sbx-0", 1001.0) == core.driver_ready("sbx-0", 1001.0)
+
+
+# --- the simulation ------------------------------------------------------------------------------------
+
+SIDS = ("sbx-a", "sbx-b", "sbx-c")
+FATES = ("ok", "ok", "ok", "lost_request", "lost_answer", "http_500", "tx_fails", "crash_after_commit", "duplicate")
+
+
+class Sim:
+    """A forwarder's outbox feeding a scheduler (TimerCore + ledger + SqliteStore) through lost answers,
+    failed transactions, crashes after commit and reopenings of the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.now = 100.0
+        self.clock_ns = 1_000
+        self.rng = random.Random(0)
+        self.ob = Outbox(self.new_epoch, random.Random(0))
+        self.store, self.core = with_sandboxes(path, *SIDS)
+        self.moved: Counter[tuple[str, str]] = Counter()
+        self.stash: list[bytes] = []
+        self.reopens = 0
+
+    def new_epoch(self) -> str:
+        self.clock_ns += 1
+        return new_epoch(self.clock_ns, self.rng.randbytes(8))
+
+    def reopen(self) -> None:
+        self.store.close()
+        self.store, self.core = opened(self.path)
+        self.reopens += 1
+
+    def receive(self, body: bytes) -> Answer:
+        return ingest_batch(self.core, self.store, FWD, pull_batch(body), self.now)[0].answer
+
+    def traffic(self, i: int, up: int, down: int) -> None:
+        sid = SIDS[i % len(SIDS)]
+        self.now += 0.5
+        self.ob.add({sid: SandboxDelta(up, down, 0, self.now, 0.0)}, self.now)
+        self.moved[(sid, "in")] += up
+        self.moved[(sid, "out")] += down
+
+    def send(self, fate: str) -> None:
+        w = self.ob.wake_at()
+        if w is None:
+            return
+        self.now = max(self.now, w)
+        assert self.ob.next_batch(self.now) is not None
+        body = self.ob.in_flight_body
+        assert body is not None
+        if fate in ("lost_request", "http_500"):
+            if fate == "lost_request":
+                self.stash.append(body)
+            self.ob.on_failure(self.now, fate)
+            return
+        if fate == "tx_fails":
+            for name, on in (("f", "INSERT ON events"), ("g", "UPDATE ON sandboxes")):
+                self.store._conn.execute(f"CREATE TEMP TRIGGER {name} AFTER {on} BEGIN SELECT RAISE(ABORT, 'x'); END")
+            try:
+                answer = self.receive(body)  # a duplicate writes nothing, so nothing fails
+            except CoreAhead:
+                self.core = load_core(self.store)  # what the adapter does on CoreAhead (it answers 500)
+                self.ob.on_failure(self.now, "http_500")
+                return
+            finally:
+                self.store._conn.execute("DROP TRIGGER f")
+                self.store._conn.execute("DROP TRIGGER g")
+        else:
+            answer = self.receive(body)
+        if fate == "duplicate":
+            answer = self.receive(body)
+        if fate in ("lost_answer", "crash_after_commit"):
+            if fate == "crash_after_commit":
+                self.reopen()
+            self.ob.on_failure(self.now, "timeout")
+            return
+        self.ob.on_answer(pull_answer(push_answer(answer), answer.http_status), self.now)
+
+    def replay(self, i: int) -> None:
+        if self.stash:
+            self.receive(self.stash[i % len(self.stash)])
+
+    def drain(self) -> None:
+        for _ in range(1000):
+            if self.ob.wake_at() is None:
+                break
+            self.send("ok")
+        assert self.ob.in_flight is None and self.ob.pending_count == 0
+
+    def check(self) -> None:
+        stored = {s.sandbox: s.state for s in self.store.sandboxes()}
+        for sid in SIDS:
+            assert (stored[sid].bytes_in, stored[sid].bytes_out) == (self.moved[(sid, "in")], self.moved[(sid, "out")])
+            assert stored[sid] == self.core.snapshot(sid)  # the core and the store agree
+
+
+OPS = st.one_of(
+    st.tuples(st.just("traffic"), st.integers(0, 5), st.integers(0, 10**6), st.integers(0, 10**6)),
+    st.tuples(st.just("send"), st.sampled_from(FATES)),
+    st.tuples(st.just("send"), st.sampled_from(FATES)),
+    st.tuples(st.just("replay"), st.integers(0, 50)),
+    st.tuples(st.just("reopen")),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(OPS, min_size=5, max_size=60))
+def test_simulation_totals_equal_bytes_metered_across_reopenings(ops: list[tuple[object, ...]]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        sim = Sim(Path(d) / "s.db")
+        try:
+            for op in ops:
+                getattr(sim, str(op[0]))(*op[1:])
+            sim.drain()
+            sim.reopen()
+            sim.check()
+        finally:
+            sim.store.close()
+
+
+def test_simulation_directed_every_fate_then_reopen(tmp_path: Path) -> None:
+    sim = Sim(tmp_path / "s.db")
+    for i, fate in enumerate(FATES * 3):
+        sim.traffic(i, 1000 + i, 7 * i)
+        sim.send(fate)
+        if i % 4 == 3:
+            sim.reopen()
+    sim.replay(0)
+    sim.drain()
+    sim.reopen()
+    sim.check()
+    assert sim.reopens >= 6
+    sim.store.close()
