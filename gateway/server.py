@@ -1,11 +1,12 @@
 """The gateway's listener: accept (a slot taken first), client TLS, then per connection raw TCP or HTTP.
 
 After the handshake the connection's server name decides: a name whose port is a ``tcp`` route is
-forwarded raw (``routing.decide_connection``), everything else is served as HTTP/1.1 (``http1.py``),
-where each request is routed on its own. Routes come from a ``RouteSource`` through a short cache
-(positive and negative, TTLs from the source); a sandbox that is not active is woken once however many
-requests wait (``route_source.Waker``). Limits: ``max_connections`` (taken before accept, so at the limit
-the kernel's backlog holds new clients) and ``max_connections_per_sandbox``.
+forwarded raw (``routing.decide_connection``), everything else is served as HTTP/2 (``http2.py``) when
+the client's ALPN chose h2, otherwise as HTTP/1.1 (``http1.py``), where each request is routed on its
+own. Routes come from a ``RouteSource`` through a short cache (positive and negative, TTLs from the
+source); a sandbox that is not active is woken once however many requests wait (``route_source.Waker``).
+Limits: ``max_connections`` (taken before accept, so at the limit the kernel's backlog holds new clients)
+and ``max_connections_per_sandbox``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.auth import AuthConfig
 from gateway.http1 import H1Session, pipe
+from gateway.http2 import H2Session
 from gateway.names import NameRefused, Names
 from gateway.route_cache import RouteCache
 from gateway.route_source import RouteSource, Waker, WakeRefused
@@ -192,6 +194,9 @@ class GatewayServer:
             if isinstance(decision, RawForward):
                 await self._raw(client, decision, peer, conn_id)
                 return
+        if client.ssl_object.selected_alpn_protocol() == "h2":
+            await H2Session(self, client, peer, conn_name, bad_sni, conn_id).run()
+            return
         await H1Session(self, client, peer, conn_name, bad_sni, conn_id).run()
 
     async def _raw(self, client: TlsStream, d: RawForward, peer: tuple[str, int], conn_id: str) -> None:

@@ -5,18 +5,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import http.server
+import ipaddress
 import json
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
-from fwd_support import Pki
+from fwd_support import ForwarderThread, Pki, SandboxApp
 
 from certs.loader import client_context
 from certs.mint import mint_leaf, spki_pin, write_issued
+from forwarder.ingress.settings import ForwarderSettings
 from gateway.names import Names
 from gateway.route_source import StaticRoutes
 from gateway.server import GatewayConfig, GatewayServer
@@ -68,7 +72,7 @@ class GatewayThread:
         async def build() -> GatewayServer:
             cfg = GatewayConfig(
                 names=Names(DOMAIN, listen_port=self.port),
-                front=FrontTls([front_cert(pki)], alpn=("http/1.1",)),
+                front=FrontTls([front_cert(pki)]),
                 routes=StaticRoutes(routes_file, ttl=1.0),
                 upstream=UpstreamPolicy(client_context(cert_file=cert, key_file=key, ca_file=pki.ca_file)),
                 **config,
@@ -140,3 +144,58 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(out)
 
     do_GET = do_POST = do_PUT = _answer
+
+
+@contextmanager
+def gateway_stack(pki: Pki, routes_dir: Path) -> Iterator[dict[str, Any]]:
+    """The gateway in front of a real forwarder and apps: sandboxes alpha (HTTP and a raw TCP port), beta
+    (the same HTTP app as alpha), secure (token), ws (WebSockets), gone (a forwarder that is not there)."""
+    cert, key = pki.paths["forwarder"]
+    fwd = ForwarderThread(ForwarderSettings(
+        listen_host="127.0.0.1", listen_port=8443, metrics_port=0, cert_file=cert, key_file=key, ca_file=pki.ca_file,
+        client_san_allow=["spiffe://sbxnet.test/gateway"], sandbox_prefixes=[ipaddress.ip_network("127.0.0.0/8")],
+        allow_targets=[ipaddress.ip_network("127.0.0.1/32")], connect_deadline=1.0, data_plane="userspace",
+    ))
+    app = EchoHttp()
+    secure = EchoHttp()
+
+    def echo(conn: socket.socket) -> None:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+        conn.shutdown(socket.SHUT_WR)
+
+    tcp = SandboxApp(echo)
+    ws_server, ws_port = websocket_echo()
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = int(dead.getsockname()[1])
+    dead.close()
+    routes = routes_dir / "routes.json"
+    routes.write_text(json.dumps({"sandboxes": {
+        "alpha": registration(pki, fwd.port, {app.port: ("http", "public"), tcp.port: ("tcp", "public")},
+                              default=app.port),
+        "beta": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port),
+        "secure": registration(pki, fwd.port, {secure.port: ("http", "token")}, default=secure.port),
+        "ws": registration(pki, fwd.port, {ws_port: ("http", "public")}, default=ws_port),
+        "gone": registration(pki, dead_port, {app.port: ("http", "public")}, default=app.port, deadline=0.5),
+    }}))
+    gw = GatewayThread(pki, routes, header_timeout=1.0, idle_timeout=5.0)
+    yield {"gw": gw, "fwd": fwd, "app": app, "secure": secure, "tcp": tcp, "pki": pki}
+    gw.stop()
+    fwd.stop()
+    app.stop()
+    secure.stop()
+    ws_server.shutdown()
+
+
+def websocket_echo() -> tuple[Any, int]:
+    """A sandbox's WebSocket app (the websockets library's server), echoing every message."""
+    from websockets.sync.server import serve
+
+    def handler(conn: Any) -> None:
+        for message in conn:
+            conn.send(message)
+
+    server = serve(handler, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, int(server.socket.getsockname()[1])

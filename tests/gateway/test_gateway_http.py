@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import json
 import shutil
 import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, registration
+from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, gateway_stack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
-from fwd_support import ForwarderThread, Pki, SandboxApp, make_pki
-
-from forwarder.ingress.settings import ForwarderSettings
+from fwd_support import Pki, SandboxApp, make_pki
 
 CURL = shutil.which("curl")
 
@@ -34,55 +30,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 @pytest.fixture(scope="module")
 def stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    cert, key = pki.paths["forwarder"]
-    fwd = ForwarderThread(ForwarderSettings(
-        listen_host="127.0.0.1", listen_port=8443, metrics_port=0, cert_file=cert, key_file=key, ca_file=pki.ca_file,
-        client_san_allow=["spiffe://sbxnet.test/gateway"], sandbox_prefixes=[ipaddress.ip_network("127.0.0.0/8")],
-        allow_targets=[ipaddress.ip_network("127.0.0.1/32")], connect_deadline=1.0, data_plane="userspace",
-    ))
-    app = EchoHttp()
-    secure = EchoHttp()
-
-    def echo(conn: socket.socket) -> None:
-        while data := conn.recv(65536):
-            conn.sendall(data)
-        conn.shutdown(socket.SHUT_WR)
-
-    tcp = SandboxApp(echo)
-    ws_server, ws_port = websocket_echo()
-    dead = socket.socket()
-    dead.bind(("127.0.0.1", 0))
-    dead_port = int(dead.getsockname()[1])
-    dead.close()
-    routes = tmp_path_factory.mktemp("routes") / "routes.json"
-    routes.write_text(json.dumps({"sandboxes": {
-        "alpha": registration(pki, fwd.port, {app.port: ("http", "public"), tcp.port: ("tcp", "public")},
-                              default=app.port),
-        "beta": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port),
-        "secure": registration(pki, fwd.port, {secure.port: ("http", "token")}, default=secure.port),
-        "ws": registration(pki, fwd.port, {ws_port: ("http", "public")}, default=ws_port),
-        "gone": registration(pki, dead_port, {app.port: ("http", "public")}, default=app.port, deadline=0.5),
-    }}))
-    gw = GatewayThread(pki, routes, header_timeout=1.0, idle_timeout=5.0)
-    yield {"gw": gw, "fwd": fwd, "app": app, "secure": secure, "tcp": tcp, "pki": pki}
-    gw.stop()
-    fwd.stop()
-    app.stop()
-    secure.stop()
-    ws_server.shutdown()
-
-
-def websocket_echo() -> tuple[Any, int]:
-    """A sandbox's WebSocket app (the websockets library's server), echoing every message."""
-    from websockets.sync.server import serve
-
-    def handler(conn: Any) -> None:
-        for message in conn:
-            conn.send(message)
-
-    server = serve(handler, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, int(server.socket.getsockname()[1])
+    with gateway_stack(pki, tmp_path_factory.mktemp("routes")) as s:
+        yield s
 
 
 def curl(stack: dict[str, Any], *urls: str, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
