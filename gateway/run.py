@@ -32,8 +32,7 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
     s = settings
     return GatewayConfig(
         names=Names(s.domain, listen_port=s.listen_port),
-        front=FrontTls([CertPair(c, k) for c, k in zip(s.cert_files, s.key_files, strict=True)],
-                       alpn=("http/1.1",)),
+        front=FrontTls([CertPair(c, k) for c, k in zip(s.cert_files, s.key_files, strict=True)]),
         routes=StaticRoutes(s.routes_file),
         upstream=UpstreamPolicy(
             client_context(cert_file=s.upstream_cert_file, key_file=s.upstream_key_file, ca_file=s.upstream_ca_file)
