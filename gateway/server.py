@@ -12,8 +12,6 @@ and ``max_connections_per_sandbox``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import logging
 import secrets
 import socket
@@ -31,6 +29,7 @@ from gateway.route_source import RouteSource, Waker, WakeRefused
 from gateway.routing import Forward, RawForward, decide_connection
 from gateway.tls_front import FrontTls
 from gateway.upstream import Upstream, UpstreamFailed, UpstreamPolicy, open_upstream
+from sbxnet.accept import Acceptor
 from sbxnet.protocol.preamble import Preamble
 from sbxnet.protocol.routes import Route
 from sbxnet.tls_stream import TlsStream
@@ -85,77 +84,33 @@ class GatewayServer:
         self.metrics = metrics or GatewayMetrics()
         self.cache: RouteCache[Route] = RouteCache()
         self.waker = Waker(config.routes, max_waiting=config.max_waiting_per_sandbox, wait=config.wake_wait)
-        self._slots = asyncio.Semaphore(config.max_connections)
+        self._acceptor = Acceptor(self._serve, max_connections=config.max_connections, log=log, name="gateway-accept")
         self._per_sandbox: dict[str, int] = {}
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
         self._draining = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     @property
     def port(self) -> int:
-        assert self._listener is not None
-        return int(self._listener.getsockname()[1])
+        assert self._acceptor.listener is not None
+        return int(self._acceptor.listener.getsockname()[1])
 
     @property
     def ready(self) -> bool:
-        return self._listener is not None and not self._draining
+        return self._acceptor.listener is not None and not self._draining
 
     @property
     def open_connections(self) -> int:
-        return len(self._conns)
+        return self._acceptor.open_connections
 
     async def start(self, listener: socket.socket) -> None:
-        listener.setblocking(False)
-        self._listener = listener
-        self._accept_task = asyncio.create_task(self._accept_loop(), name="gateway-accept")
+        self._acceptor.start(listener)
 
     async def drain(self, timeout: float = 10.0) -> int:
+        """Stop accepting, let live connections finish up to ``timeout``, cut the rest; how many were cut."""
         self._draining = True
-        if self._accept_task:
-            self._accept_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
-        if self._listener:
-            self._listener.close()
-        cut = 0
-        if self._conns:
-            _, pending = await asyncio.wait(set(self._conns), timeout=timeout)
-            cut = len(pending)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-        return cut
-
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listener is not None
-        backoff = 0.005
-        while True:
-            await self._slots.acquire()
-            try:
-                sock, addr = await loop.sock_accept(self._listener)
-            except OSError as e:
-                self._slots.release()
-                log.warning("accept failed", extra={"event": "accept_error",
-                                                    "reason": errno.errorcode.get(e.errno or 0, "oserror")})
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            except BaseException:
-                self._slots.release()
-                raise
-            backoff = 0.005
-            task = asyncio.create_task(self._serve(sock, (str(addr[0]), int(addr[1]))))
-            self._conns.add(task)
-            task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._conns.discard(task)
-        self._slots.release()
+        await self._acceptor.stop_accepting()
+        return await self._acceptor.drain(timeout)
 
     # -- one connection ----------------------------------------------------------------------------
 

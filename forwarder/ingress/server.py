@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import secrets
 import socket
@@ -22,6 +21,7 @@ from forwarder.ingress.sequence import ConnectionSequence
 from forwarder.ingress.settings import ForwarderSettings
 from forwarder.ingress.target_guard import TargetPolicy
 from forwarder.ingress.tls_context import server_context
+from sbxnet.accept import Acceptor
 from sbxnet.listen import bind_listener
 
 log = logging.getLogger("sbxnet.forwarder")
@@ -57,11 +57,8 @@ class ForwarderServer:
         self.meter = Meter()
         self.sequence = ConnectionSequence(settings, self.metrics, self.plane, self.meter)
         self._reuse_port = reuse_port
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
+        self._acceptor = Acceptor(self._serve, max_connections=settings.max_connections, log=log)
         self._flush_task: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(settings.max_connections)
         self._draining = False
         self._flushed = (0, 0)
 
@@ -77,28 +74,28 @@ class ForwarderServer:
 
     @property
     def port(self) -> int:
-        assert self._listener is not None
-        return int(self._listener.getsockname()[1])
+        assert self._acceptor.listener is not None
+        return int(self._acceptor.listener.getsockname()[1])
 
     @property
     def ready(self) -> bool:
-        return self._listener is not None and not self._draining
+        return self._acceptor.listener is not None and not self._draining
 
     @property
     def open_connections(self) -> int:
-        return len(self._conns)
+        return self._acceptor.open_connections
 
     async def start(self, listener: socket.socket | None = None) -> None:
         s = self.settings
         await self.refresh_host_addresses()
-        self._listener = listener or bind_listener(
+        listener = listener or bind_listener(
             str(s.listen_host),
             s.listen_port,
             reuse_port=self._reuse_port,
             setting="listen_port / SBXNET_FORWARDER_LISTEN_PORT",
         )
         self.metrics.data_plane.labels(self.plane.name).set(1)
-        self._accept_task = asyncio.create_task(self._accept_loop(), name="accept")
+        self._acceptor.start(listener)
         self._flush_task = asyncio.create_task(self._flush_loop(), name="metrics-flush")
         log.info(
             "forwarder listening",
@@ -129,21 +126,12 @@ class ForwarderServer:
         Returns how many connections had to be cut."""
         timeout = self.settings.drain_timeout if timeout is None else timeout
         self._draining = True
-        if self._accept_task:
-            self._accept_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
-        if self._listener:
-            self._listener.close()
-        log.info("draining", extra={"event": "draining", "fields": {"open": len(self._conns), "timeout": timeout}})
-        cut = 0
-        if self._conns:
-            _, pending = await asyncio.wait(set(self._conns), timeout=timeout)
-            cut = len(pending)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+        await self._acceptor.stop_accepting()
+        log.info(
+            "draining",
+            extra={"event": "draining", "fields": {"open": self._acceptor.open_connections, "timeout": timeout}},
+        )
+        cut = await self._acceptor.drain(timeout)
         if self._flush_task:
             self._flush_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -151,36 +139,6 @@ class ForwarderServer:
         self._flush_bytes()
         log.info("drained", extra={"event": "drained", "fields": {"cut": cut}})
         return cut
-
-    # -- accept ------------------------------------------------------------------------------------
-
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listener is not None
-        backoff = 0.005
-        while True:
-            await self._slots.acquire()
-            try:
-                sock, addr = await loop.sock_accept(self._listener)
-            except OSError as e:
-                self._slots.release()
-                # EMFILE/ENFILE/ENOBUFS: back off instead of spinning; the backlog holds the peers.
-                reason = errno.errorcode.get(e.errno or 0, "oserror")
-                log.warning("accept failed", extra={"event": "accept_error", "reason": reason})
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            except BaseException:
-                self._slots.release()
-                raise
-            backoff = 0.005
-            task = asyncio.create_task(self._serve(sock, addr))
-            self._conns.add(task)
-            task.add_done_callback(self._conn_done)
-
-    def _conn_done(self, task: asyncio.Task[None]) -> None:
-        self._conns.discard(task)
-        self._slots.release()
 
     async def _flush_loop(self) -> None:
         tick = 0

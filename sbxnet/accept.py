@@ -1,0 +1,84 @@
+"""The accept loop every listener here uses (ghostunnel's shape): take a connection slot before accepting,
+so at the limit new peers wait in the kernel's backlog; back off on accept errors (EMFILE, ENFILE,
+ENOBUFS) instead of spinning; one task per connection; drain stops accepting, waits, then cuts the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import socket
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+Serve = Callable[[socket.socket, tuple[str, int]], Coroutine[Any, Any, None]]
+
+
+class Acceptor:
+    def __init__(self, serve: Serve, *, max_connections: int, log: logging.Logger, name: str = "accept") -> None:
+        self._serve = serve
+        self._log = log
+        self._name = name
+        self._slots = asyncio.Semaphore(max_connections)
+        self._conns: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self.listener: socket.socket | None = None
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    def start(self, listener: socket.socket) -> None:
+        listener.setblocking(False)
+        self.listener = listener
+        self._task = asyncio.create_task(self._loop(), name=self._name)
+
+    async def stop_accepting(self) -> None:
+        """Stop the loop and close the listening socket (new peers are refused by the kernel)."""
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.listener:
+            self.listener.close()
+
+    async def drain(self, timeout: float) -> int:
+        """Let live connections finish up to ``timeout``, then cancel the rest; how many were cut."""
+        if not self._conns:
+            return 0
+        _, pending = await asyncio.wait(set(self._conns), timeout=timeout)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        return len(pending)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self.listener is not None
+        backoff = 0.005
+        while True:
+            await self._slots.acquire()
+            try:
+                sock, addr = await loop.sock_accept(self.listener)
+            except OSError as e:
+                self._slots.release()
+                # EMFILE/ENFILE/ENOBUFS: back off instead of spinning; the backlog holds the peers.
+                reason = errno.errorcode.get(e.errno or 0, "oserror")
+                self._log.warning("accept failed", extra={"event": "accept_error", "reason": reason})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            except BaseException:
+                self._slots.release()
+                raise
+            backoff = 0.005
+            task = asyncio.create_task(self._serve(sock, (str(addr[0]), int(addr[1]))))
+            self._conns.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._conns.discard(task)
+        self._slots.release()
