@@ -8,12 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, FilePath, IPvAnyAddress, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-
-def _split_list(value: object) -> object:
-    # Environment variables carry lists as comma-separated text; TOML carries real arrays.
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    return value
+from sbxnet.config import split_list
 
 
 class GatewaySettings(BaseSettings):
@@ -49,7 +44,7 @@ class GatewaySettings(BaseSettings):
     workers: int = Field(1, ge=1, le=1, description="one process for now (SO_REUSEPORT workers come later)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    _split = field_validator("cert_files", "key_files", mode="before")(_split_list)
+    _split = field_validator("cert_files", "key_files", mode="before")(split_list)
 
     @model_validator(mode="after")
     def _pairs(self) -> GatewaySettings:

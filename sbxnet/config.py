@@ -17,6 +17,14 @@ from sbxnet.errors import ConfigError
 S = TypeVar("S", bound=BaseSettings)
 
 
+def split_list(value: object) -> object:
+    """A list setting's value: environment variables carry lists as comma-separated text, TOML real arrays
+    (use as a pydantic ``mode="before"`` validator on ``NoDecode`` list fields)."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
 def _read_section(config_file: Path, section: str) -> dict[str, Any]:
     try:
         with config_file.open("rb") as f:

@@ -10,13 +10,7 @@ from pydantic import Field, FilePath, IPvAnyAddress, IPvAnyNetwork, field_valida
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from sbxnet.backoff import BACKOFF_CAP_S, BACKOFF_INITIAL_S, SYN_INTERVAL_S
-
-
-def _split_list(value: object) -> object:
-    # Environment variables carry lists as comma-separated text; TOML carries real arrays.
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    return value
+from sbxnet.config import split_list
 
 
 class ForwarderSettings(BaseSettings):
@@ -56,7 +50,7 @@ class ForwarderSettings(BaseSettings):
     workers: int = Field(1, ge=0, le=256, description="processes sharing the port; 0 = one per core")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    _split = field_validator("client_san_allow", "sandbox_prefixes", "allow_targets", mode="before")(_split_list)
+    _split = field_validator("client_san_allow", "sandbox_prefixes", "allow_targets", mode="before")(split_list)
 
     @field_validator("client_san_allow")
     @classmethod
