@@ -1,0 +1,140 @@
+"""The scheduler's HTTP adapter for the idle feed (docs/scheduler-api.md, "The idle feed"): ``POST /v1/feed``.
+
+A small adapter over the pure cores: the forwarder's identity from its verified client certificate, the
+body through ``pull_batch``, the decision and the write through ``ingest_batch``, the answer through
+``push_answer``. What it trusts and refuses:
+
+- The TLS layer (the ``ssl_context`` the site is served with) must require a client certificate and
+  verify it against the forwarders' CA: a wrong CA never reaches this code (the handshake fails).
+  ``serve`` refuses a context that does not require one.
+- The identity is the first URI or DNS SAN of the peer's certificate that is on ``allow``; a certificate
+  with none on it (or no certificate) gets 403, counted in ``forbidden`` by reason.
+- A body over ``MAX_BODY_BYTES`` gets 413 (aiohttp's ``client_max_size``); one ``pull_batch`` refuses gets
+  400 (413 for ``too_large``) with the reason as the body, counted in ``refused``.
+- A store write that fails (``CoreAhead``) gets 500 and no answer body the forwarder would accept, so it
+  resends the same batch; the timer core is rebuilt from the store first, since it holds changes the
+  store does not.
+
+``ingest_batch`` runs on the event loop without awaiting, so two requests never interleave between the
+ledger read and its claim. Each commit syncs the WAL (SqliteStore's default), one fsync per batch.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from aiohttp import web
+
+from sbxnet.errors import ConfigError
+from sbxnet.protocol.feed import MAX_BODY_BYTES, FeedError, pull_batch, push_answer
+from scheduler.store import CoreAhead, Store, StoreError, ingest_batch, load_core
+from scheduler.timers import Event, TimerCore
+
+FEED_PATH = "/v1/feed"
+
+
+def peer_sans(peercert: dict[str, Any] | None) -> list[str]:
+    """The URI and DNS SANs of a certificate as ``ssl`` gives it (``getpeercert()``), in order."""
+    if not peercert:
+        return []
+    return [str(v) for k, v in peercert.get("subjectAltName", ()) if k in ("URI", "DNS")]
+
+
+class FeedService:
+    """The feed's state: the store, the timer core built from it, the allowlist and the counters.
+
+    ``now`` is the scheduler's clock for the timer core (wall seconds by default: the store keeps these
+    times across restarts). ``on_events`` gets the events of each applied batch once it has committed."""
+
+    def __init__(
+        self,
+        store: Store,
+        allow: Collection[str],
+        *,
+        core: TimerCore | None = None,
+        now: Callable[[], float] = time.time,
+        on_events: Callable[[list[Event]], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.core = core if core is not None else load_core(store)
+        self.allow = frozenset(allow)
+        self._now = now
+        self._on_events = on_events
+        # Counters for metrics.
+        self.forbidden: dict[str, int] = {}  # 403s by reason
+        self.refused: dict[str, int] = {}  # 400/413s by the codec's reason
+        self.answered: dict[str, int] = {}  # by verdict ("apply", "retry", "replay", ...)
+        self.core_rebuilds = 0
+        self.store_errors = 0
+
+    def identity(self, request: web.Request) -> str | None:
+        """The first SAN of the verified peer certificate that is allowed, or None (counted)."""
+        ssl_obj = request.transport.get_extra_info("ssl_object") if request.transport else None
+        cert = ssl_obj.getpeercert() if ssl_obj is not None else None
+        if not cert:
+            _count(self.forbidden, "no_client_cert")
+            return None
+        for san in peer_sans(cert):
+            if san in self.allow:
+                return san
+        _count(self.forbidden, "san_not_allowed")
+        return None
+
+    async def handle_feed(self, request: web.Request) -> web.Response:
+        identity = self.identity(request)
+        if identity is None:
+            return web.Response(status=403, text="forbidden")
+        body = await request.read()  # bounded by the application's client_max_size (413 beyond)
+        try:
+            batch = pull_batch(body)
+        except FeedError as e:
+            _count(self.refused, e.reason)
+            return web.Response(status=e.http_status, text=e.reason)
+        try:
+            decision, events = ingest_batch(self.core, self.store, identity, batch, self._now())
+        except CoreAhead:
+            self.store_errors += 1
+            self._rebuild()
+            return web.Response(status=500, text="store_error")
+        _count(self.answered, decision.verdict.value)
+        if events and self._on_events is not None:
+            self._on_events(events)
+        answer = decision.answer
+        return web.Response(status=answer.http_status, body=push_answer(answer), content_type="application/json")
+
+    def _rebuild(self) -> None:
+        try:
+            self.core = load_core(self.store)
+        except StoreError:
+            # The store cannot be read either: keep the core as it is; the next failure tries again.
+            return
+        self.core_rebuilds += 1
+
+
+def _count(counter: dict[str, int], reason: str) -> None:
+    counter[reason] = counter.get(reason, 0) + 1
+
+
+def make_app(service: FeedService) -> web.Application:
+    """The aiohttp application serving ``POST /v1/feed`` for ``service``."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_post(FEED_PATH, service.handle_feed)
+    return app
+
+
+async def serve(service: FeedService, host: str, port: int, ssl_context: ssl.SSLContext) -> web.AppRunner:
+    """Serve the feed on ``host:port`` over TLS; the caller stops it with ``runner.cleanup()``.
+    ``ssl_context`` must require and verify client certificates (``certs.loader.server_context``)."""
+    if ssl_context.verify_mode is not ssl.CERT_REQUIRED:
+        raise ConfigError("the feed's TLS context must require a client certificate")
+    runner = web.AppRunner(make_app(service), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
