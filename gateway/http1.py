@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -461,5 +460,3 @@ async def pipe(a: TlsStream, b: TlsStream, *, idle: float) -> str:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
-
-Opener = Callable[[Forward, tuple[str, int], str], Awaitable[Upstream]]

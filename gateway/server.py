@@ -12,6 +12,7 @@ and ``max_connections_per_sandbox``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 import socket
@@ -92,8 +93,7 @@ class GatewayServer:
 
     @property
     def port(self) -> int:
-        assert self._acceptor.listener is not None
-        return int(self._acceptor.listener.getsockname()[1])
+        return self._acceptor.port
 
     @property
     def ready(self) -> bool:
@@ -222,8 +222,6 @@ class GatewayServer:
         return route if route is not None and route.state == "active" else None
 
     async def open_upstream(self, fwd: Forward, peer: tuple[str, int], conn_id: str) -> Upstream:
-        import ipaddress
-
         p = Preamble(
             src=ipaddress.ip_address(peer[0]),
             src_port=peer[1],

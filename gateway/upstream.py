@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import logging
 import random
 import socket
 import ssl
@@ -37,8 +36,6 @@ from sbxnet.protocol.preamble import Preamble
 from sbxnet.protocol.routes import Route
 from sbxnet.protocol.status import Status, StatusError
 from sbxnet.tls_stream import TlsStream
-
-log = logging.getLogger("sbxnet.gateway")
 
 _NO_RETRY = {
     Status.FORBIDDEN: "forwarder_forbidden",

@@ -27,6 +27,11 @@ class Acceptor:
         self.listener: socket.socket | None = None
 
     @property
+    def port(self) -> int:
+        assert self.listener is not None, "not started"
+        return int(self.listener.getsockname()[1])
+
+    @property
     def open_connections(self) -> int:
         return len(self._conns)
 

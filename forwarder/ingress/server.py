@@ -74,8 +74,7 @@ class ForwarderServer:
 
     @property
     def port(self) -> int:
-        assert self._acceptor.listener is not None
-        return int(self._acceptor.listener.getsockname()[1])
+        return self._acceptor.port
 
     @property
     def ready(self) -> bool:
