@@ -17,6 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
 from fwd_support import ForwarderThread, Pki, SandboxApp
+from fwd_support import make_pki as make_pki  # re-exported: conftest.py gets fwd_support through here
 
 from certs.loader import client_context
 from certs.mint import mint_leaf, spki_pin, write_issued
@@ -146,16 +147,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = _answer
 
 
+def forwarder_settings(pki: Pki, **over: Any) -> ForwarderSettings:
+    """A userspace-plane forwarder on loopback that lets the gateway's certificate in and reaches 127.0.0.1."""
+    cert, key = pki.paths["forwarder"]
+    values: dict[str, Any] = dict(
+        listen_host="127.0.0.1", listen_port=8443, metrics_port=0, cert_file=cert, key_file=key, ca_file=pki.ca_file,
+        client_san_allow=["spiffe://sbxnet.test/gateway"], sandbox_prefixes=[ipaddress.ip_network("127.0.0.0/8")],
+        allow_targets=[ipaddress.ip_network("127.0.0.1/32")], connect_deadline=1.0, data_plane="userspace",
+    )
+    values.update(over)
+    return ForwarderSettings(**values)
+
+
 @contextmanager
 def gateway_stack(pki: Pki, routes_dir: Path) -> Iterator[dict[str, Any]]:
     """The gateway in front of a real forwarder and apps: sandboxes alpha (HTTP and a raw TCP port), beta
     (the same HTTP app as alpha), secure (token), ws (WebSockets), gone (a forwarder that is not there)."""
-    cert, key = pki.paths["forwarder"]
-    fwd = ForwarderThread(ForwarderSettings(
-        listen_host="127.0.0.1", listen_port=8443, metrics_port=0, cert_file=cert, key_file=key, ca_file=pki.ca_file,
-        client_san_allow=["spiffe://sbxnet.test/gateway"], sandbox_prefixes=[ipaddress.ip_network("127.0.0.0/8")],
-        allow_targets=[ipaddress.ip_network("127.0.0.1/32")], connect_deadline=1.0, data_plane="userspace",
-    ))
+    fwd = ForwarderThread(forwarder_settings(pki))
     app = EchoHttp()
     secure = EchoHttp()
 

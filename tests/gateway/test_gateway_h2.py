@@ -9,7 +9,6 @@ import socket
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,23 +16,11 @@ import h2.config
 import h2.connection
 import h2.events
 import pytest
-from gw_support import DOMAIN, EchoHttp, GatewayThread, gateway_stack
+from gw_support import DOMAIN, EchoHttp, GatewayThread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
-from fwd_support import Pki, make_pki
 
 CURL = shutil.which("curl")
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with gateway_stack(pki, tmp_path_factory.mktemp("routes")) as s:
-        yield s
 
 
 def curl2(stack: dict[str, Any], *urls: str, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:

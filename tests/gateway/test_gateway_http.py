@@ -10,28 +10,16 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, gateway_stack
+from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
-from fwd_support import Pki, SandboxApp, make_pki
+from fwd_support import SandboxApp
 
 CURL = shutil.which("curl")
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with gateway_stack(pki, tmp_path_factory.mktemp("routes")) as s:
-        yield s
 
 
 def curl(stack: dict[str, Any], *urls: str, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:

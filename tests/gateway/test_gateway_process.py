@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import signal
@@ -16,35 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import DOMAIN, EchoHttp, front_cert, registration
+from gw_support import DOMAIN, EchoHttp, forwarder_settings, front_cert, registration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
-from fwd_support import ForwarderThread, Pki, make_pki
-
-from forwarder.ingress.settings import ForwarderSettings
+from fwd_support import ForwarderThread, Pki, free_port
 
 SBXNET = [sys.executable, "-m", "sbxnet.app.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
 @pytest.fixture(scope="module")
 def backend(pki: Pki) -> Iterator[tuple[ForwarderThread, EchoHttp]]:
-    cert, key = pki.paths["forwarder"]
-    fwd = ForwarderThread(ForwarderSettings(
-        listen_host="127.0.0.1", listen_port=8443, metrics_port=0, cert_file=cert, key_file=key, ca_file=pki.ca_file,
-        client_san_allow=["spiffe://sbxnet.test/gateway"], sandbox_prefixes=[ipaddress.ip_network("127.0.0.0/8")],
-        allow_targets=[ipaddress.ip_network("127.0.0.1/32")], connect_deadline=1.0, data_plane="userspace",
-    ))
+    fwd = ForwarderThread(forwarder_settings(pki))
     app = EchoHttp()
     yield fwd, app
     fwd.stop()

@@ -18,7 +18,8 @@ import pytest
 from cryptography import x509
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
-from fwd_support import ForwarderThread, Pki, SandboxApp, make_pki
+from fwd_support import ForwarderThread, Pki, SandboxApp, free_port
+from gw_support import forwarder_settings
 
 from certs.loader import client_context
 from certs.mint import spki_pin
@@ -28,21 +29,8 @@ from sbxnet.protocol.preamble import Preamble
 from sbxnet.protocol.routes import Forwarder, PortSpec, Route
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
 def fwd_settings(pki: Pki, **over: Any) -> ForwarderSettings:
-    cert, key = pki.paths["forwarder"]
-    values: dict[str, Any] = dict(
-        listen_host="127.0.0.1", listen_port=8443, metrics_port=0, cert_file=cert, key_file=key,
-        ca_file=pki.ca_file, client_san_allow=["spiffe://sbxnet.test/gateway"],
-        sandbox_prefixes=[ipaddress.ip_network("127.0.0.0/8")], allow_targets=[ipaddress.ip_network("127.0.0.1/32")],
-        connect_deadline=2.0, data_plane="userspace",
-    )
-    values.update(over)
-    return ForwarderSettings(**values)
+    return forwarder_settings(pki, **{"connect_deadline": 2.0, **over})
 
 
 @pytest.fixture
@@ -73,12 +61,6 @@ def preamble(app_port: int, dst: str = "127.0.0.1") -> Preamble:
 def policy(pki: Pki) -> UpstreamPolicy:
     cert, key = pki.paths["gateway"]
     return UpstreamPolicy(client_context(cert_file=cert, key_file=key, ca_file=pki.ca_file))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def echo(conn: socket.socket) -> None:
