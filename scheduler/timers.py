@@ -385,6 +385,26 @@ class TimerCore:
                 return at
         return None
 
+    def due(self, now: float) -> list[str]:
+        """The sandboxes ``on_timer(now)`` would take idle, without changing anything (a shared store's
+        adapter locks and re-reads exactly these rows first). Walks only the heap's entries at or before
+        ``now`` (a child is never earlier than its parent), so its cost is the number due, not the fleet."""
+        heap = self._heap
+        out: list[str] = []
+        todo = [0] if heap else []
+        while todo:
+            i = todo.pop()
+            at, _, sb, gen = heap[i]
+            if at > now:
+                continue
+            if sb.gen == gen and self._sandboxes.get(sb.config.sandbox) is sb:
+                d = _deadline(sb)
+                if d is not None and d <= now:
+                    out.append(sb.config.sandbox)
+            todo.extend(j for j in (2 * i + 1, 2 * i + 2) if j < len(heap))
+        out.sort()
+        return out
+
     def on_timer(self, now: float) -> list[Event]:
         """Every sandbox whose deadline is at or before ``now`` goes idle (why ``idle_timer``), once per
         expiry: an idle sandbox has no timer until it is active again."""

@@ -695,7 +695,9 @@ class TimerMachine(RuleBasedStateMachine):
 
     @rule()
     def on_timer(self) -> None:
+        due = self.core.due(self.now)
         events = self.core.on_timer(self.now)
+        assert due == sorted(e.sandbox for e in events)  # due() names exactly what on_timer takes idle
         due = []
         for sid, m in sorted(self.models.items()):
             d = m.deadline()
@@ -729,3 +731,14 @@ class TimerMachine(RuleBasedStateMachine):
 
 TimerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_timer_machine = TimerMachine.TestCase
+
+
+def test_due_names_only_what_is_due_and_changes_nothing() -> None:
+    core = TimerCore()
+    for i in range(50):
+        core.register(SandboxConfig(f"s{i:02d}", "i", 10.0 + i), 0.0)
+    assert core.due(9.9) == []
+    assert core.due(12.0) == ["s00", "s01", "s02"]
+    assert core.due(12.0) == ["s00", "s01", "s02"]  # a peek: nothing changed
+    assert [e.sandbox for e in core.on_timer(12.0)] == ["s00", "s01", "s02"]
+    assert core.due(12.0) == []
