@@ -9,6 +9,11 @@ body through ``pull_batch``, the decision and the write through ``ingest_batch``
   ``serve`` refuses a context that does not require one.
 - The identity is the first URI or DNS SAN of the peer's certificate that is on ``allow``; a certificate
   with none on it (or no certificate) gets 403, counted in ``forbidden`` by reason.
+- The ledger is kept per stream: ``?stream=<n>`` (decimal 0..``MAX_STREAM``, no leading zero; 0 when
+  absent) makes the ledger identity ``<san>#<n>``, since a forwarder's SO_REUSEPORT workers share one
+  certificate but each has an epoch and a seq of its own. A bad stream, a parameter given twice or one
+  this endpoint does not know gets 400 with the reason (``bad_stream``, ``unknown_parameter``), counted
+  in ``refused``.
 - A body over ``MAX_BODY_BYTES`` gets 413 (aiohttp's ``client_max_size``); one ``pull_batch`` refuses gets
   400 (413 for ``too_large``) with the reason as the body, counted in ``refused``.
 - A store write that fails (``CoreAhead``) gets 500 and no answer body the forwarder would accept, so it
@@ -21,6 +26,7 @@ ledger read and its claim. Each commit syncs the WAL (SqliteStore's default), on
 
 from __future__ import annotations
 
+import re
 import ssl
 import time
 from collections.abc import Callable, Collection
@@ -34,6 +40,8 @@ from scheduler.store import CoreAhead, Store, StoreError, ingest_batch, load_cor
 from scheduler.timers import Event, TimerCore
 
 FEED_PATH = "/v1/feed"
+MAX_STREAM = 1023
+_STREAM_RE = re.compile(r"0|[1-9][0-9]{0,3}", re.ASCII)
 
 
 def peer_sans(peercert: dict[str, Any] | None) -> list[str]:
@@ -83,10 +91,27 @@ class FeedService:
         _count(self.forbidden, "san_not_allowed")
         return None
 
+    def stream(self, request: web.Request) -> int | str:
+        """The request's stream number, or the reason it is refused (``bad_stream``, ``unknown_parameter``)."""
+        query = request.query
+        if any(k != "stream" for k in query):
+            return "unknown_parameter"
+        values = query.getall("stream", [])
+        if not values:
+            return 0
+        if len(values) > 1 or not _STREAM_RE.fullmatch(values[0]) or int(values[0]) > MAX_STREAM:
+            return "bad_stream"
+        return int(values[0])
+
     async def handle_feed(self, request: web.Request) -> web.Response:
-        identity = self.identity(request)
-        if identity is None:
+        san = self.identity(request)
+        if san is None:
             return web.Response(status=403, text="forbidden")
+        stream = self.stream(request)
+        if isinstance(stream, str):
+            _count(self.refused, stream)
+            return web.Response(status=400, text=stream)
+        identity = f"{san}#{stream}"
         body = await request.read()  # bounded by the application's client_max_size (413 beyond)
         try:
             batch = pull_batch(body)

@@ -214,8 +214,8 @@ async def test_scheduler_restart_on_the_same_file_loses_and_doubles_nothing(
     await with_stack(tmp_path, pki, body)
 
 
-async def post(pki: dict[str, Path], port: int, stem: str, data: bytes) -> tuple[int, str]:
-    url, connector = f"https://127.0.0.1:{port}/v1/feed", aiohttp.TCPConnector(ssl=client_ctx(pki, stem))
+async def post(pki: dict[str, Path], port: int, stem: str, data: bytes, query: str = "") -> tuple[int, str]:
+    url, connector = f"https://127.0.0.1:{port}/v1/feed{query}", aiohttp.TCPConnector(ssl=client_ctx(pki, stem))
     async with aiohttp.ClientSession(connector=connector) as s, s.post(url, data=data) as r:
         return r.status, await r.text()
 
@@ -241,6 +241,93 @@ async def test_wrong_ca_fails_the_handshake_and_unlisted_san_gets_403(tmp_path: 
         assert await post(pki, sched.port, "forwarder", BATCH) == (200, '{"acked":1}')  # a retry: not again
         assert sched.totals()["sbx-a"] == (5, 7)
         assert service.answered == {"apply": 1, "duplicate": 1}
+        assert service.store.ledger(f"{FWD_SAN}#0") is not None and service.store.ledger(FWD_SAN) is None
+    finally:
+        await sched.stop()
+
+
+def batch(epoch: str, seq: int, bytes_in: int = 5) -> bytes:
+    entry = b'{"sandbox":"sbx-a","bytes_in":%d,"bytes_out":7,"open":0,"idle_s":0.5}' % bytes_in
+    return b'{"epoch":"%s","seq":%d,"sandboxes":[%s]}' % (epoch.encode(), seq, entry)
+
+
+async def test_each_stream_of_one_certificate_has_its_own_ledger(tmp_path: Path, pki: dict[str, Path]) -> None:
+    """SO_REUSEPORT workers share the certificate: the same epoch and seq on two streams are two batches."""
+    db = tmp_path / "sched.db"
+    register_all(db)
+    sched = Scheduler(db, pki, free_port())
+    service = await sched.start()
+    try:
+        epoch = new_epoch(time.time_ns(), bytes(8))
+        assert await post(pki, sched.port, "forwarder", batch(epoch, 1), "?stream=0") == (200, '{"acked":1}')
+        assert await post(pki, sched.port, "forwarder", batch(epoch, 1), "?stream=1023") == (200, '{"acked":1}')
+        assert await post(pki, sched.port, "forwarder", batch(epoch, 1)) == (200, '{"acked":1}')  # 0 by default
+        assert sched.totals()["sbx-a"] == (10, 14)
+        assert service.answered == {"apply": 2, "duplicate": 1}
+        stored = {s: service.store.ledger(f"{FWD_SAN}#{s}") for s in (0, 1023, 1)}
+        assert stored[0] is not None and stored[1023] is not None and stored[1] is None
+        assert (stored[0].epoch, stored[0].last_seq) == (epoch, 1)
+        # A restarted worker: a newer epoch at seq 1 on its stream, the other stream untouched.
+        newer = new_epoch(time.time_ns() + 1, bytes(8))
+        assert await post(pki, sched.port, "forwarder", batch(newer, 1, 3), "?stream=1023") == (200, '{"acked":1}')
+        assert sched.totals()["sbx-a"] == (13, 21)
+        ledger = service.store.ledger(f"{FWD_SAN}#1023")
+        assert ledger is not None and ledger.epoch == newer
+        ledger = service.store.ledger(f"{FWD_SAN}#0")
+        assert ledger is not None and ledger.epoch == epoch
+    finally:
+        await sched.stop()
+
+
+@pytest.mark.parametrize(
+    ("query", "reason"),
+    [
+        ("?stream=1024", "bad_stream"),
+        ("?stream=-1", "bad_stream"),
+        ("?stream=01", "bad_stream"),
+        ("?stream=", "bad_stream"),
+        ("?stream=1e3", "bad_stream"),
+        ("?stream=%EF%BC%91", "bad_stream"),  # a fullwidth digit: int() would take it
+        ("?stream=1&stream=2", "bad_stream"),
+        ("?worker=1", "unknown_parameter"),
+        ("?stream=1&x=", "unknown_parameter"),
+    ],
+)
+async def test_a_bad_stream_gets_400_with_the_reason(
+    tmp_path: Path, pki: dict[str, Path], query: str, reason: str
+) -> None:
+    db = tmp_path / "sched.db"
+    register_all(db)
+    sched = Scheduler(db, pki, free_port())
+    service = await sched.start()
+    try:
+        assert await post(pki, sched.port, "forwarder", BATCH, query) == (400, reason)
+        assert service.refused == {reason: 1} and service.answered == {}
+        assert sched.totals()["sbx-a"] == (0, 0)
+    finally:
+        await sched.stop()
+
+
+async def test_replayed_out_of_order_and_stale_batches_are_refused_and_counted(
+    tmp_path: Path, pki: dict[str, Path]
+) -> None:
+    db = tmp_path / "sched.db"
+    register_all(db)
+    sched = Scheduler(db, pki, free_port())
+    service = await sched.start()
+    try:
+        start = time.time_ns()
+        epoch, older = new_epoch(start, bytes(8)), new_epoch(start - 1, bytes(8))
+        for seq in (1, 2, 3):
+            assert await post(pki, sched.port, "forwarder", batch(epoch, seq)) == (200, f'{{"acked":{seq}}}')
+        assert await post(pki, sched.port, "forwarder", batch(epoch, 1)) == (409, '{"error":"replay","acked":3}')
+        assert await post(pki, sched.port, "forwarder", batch(epoch, 5)) == (409, '{"error":"gap","acked":3}')
+        assert await post(pki, sched.port, "forwarder", batch(older, 1)) == (409, '{"error":"stale_epoch"}')
+        newer = new_epoch(start + 1, bytes(8))
+        assert await post(pki, sched.port, "forwarder", batch(newer, 2)) == (409, '{"error":"gap","acked":0}')
+        assert sched.totals()["sbx-a"] == (15, 21)  # the three applied, nothing refused
+        assert service.answered == {"apply": 3, "replay": 1, "gap": 2, "stale_epoch": 1}
+        assert totals(db)["sbx-a"] == (15, 21)
     finally:
         await sched.stop()
 
