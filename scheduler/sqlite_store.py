@@ -9,9 +9,13 @@ forwarder per report interval (about 100 a second at the issue's scale), not one
 may be chosen (``synchronous="NORMAL"``) where losing the last moments of metering on power loss is
 acceptable; the ledger and totals stay consistent either way, since they commit together.
 
-Every write is one explicit transaction begun with ``BEGIN IMMEDIATE`` (the write lock is taken at once,
-so two processes on one file queue on ``busy_timeout`` instead of failing to upgrade a read lock). Any
-``sqlite3.Error`` rolls the transaction back and is raised as ``StoreError``.
+Transactions: every write is one explicit transaction begun with ``BEGIN IMMEDIATE``, which takes the
+database's write lock at once and holds it to the end. That is the ``Tx`` lock: ``Tx.lock`` and
+``Tx.ledger`` only read, since nobody else can write until this transaction ends, and what they read is
+the latest commit (two processes on one file queue on ``busy_timeout`` instead of failing to upgrade a
+read lock; each then starts from the other's result). ``shared`` is False: the scheduler runs one writer
+on a file, but two stores on one file are still correct. Any ``sqlite3.Error`` rolls the transaction back
+and is raised as ``StoreError``. Reads outside a transaction see the latest commit.
 
 The schema is created on open, with its version in ``schema_version``; a file of another version is
 refused (no migration yet: there has been one version).
@@ -20,21 +24,34 @@ refused (no migration yet: there has been one version).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from os import PathLike
 from typing import Any, Literal
 
 from sbxnet.errors import LocalProtocolError
 from sbxnet.protocol.feed import Batch, epoch_start_ns
-from sbxnet.protocol.routes import Registration, RouteError, pull_registration, push_registration
+from sbxnet.protocol.routes import Registration, push_registration
 from scheduler.feed_ledger import Decision, Stored
-from scheduler.store import WEBHOOK_STATES, LedgerConflict, StoredEvent, StoredSandbox, StoreError, check_apply
-from scheduler.timers import Event, SandboxState, State, Why
+from scheduler.store import (
+    STATE_COLUMNS,
+    WEBHOOK_DONE,
+    WEBHOOK_DUE,
+    LedgerConflict,
+    OneShotWrites,
+    RegistrationCache,
+    StoredEvent,
+    StoredSandbox,
+    StoreError,
+    check_apply,
+    event_of,
+    event_row,
+    state_of,
+    state_row,
+)
+from scheduler.timers import Event, SandboxState
 
 SCHEMA_VERSION = 1
-
-_WEBHOOK_NONE, _WEBHOOK_DUE, _WEBHOOK_DONE = 0, 1, 2
 
 _SCHEMA = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -72,18 +89,11 @@ CREATE TABLE events (
 );
 CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
 """
-
-_STATE_COLS = (
-    "state", "active_since", "last_activity", "bytes_in", "bytes_out", "open_connections", "hold_until",
-    "stopped_at", "wake_from", "fenced",
-)
-_UPDATE_STATE = f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in _STATE_COLS)} WHERE sandbox = ?"
+_ROW_COLS = f"sandbox, registration, registered_at, {', '.join(STATE_COLUMNS)}"
+_UPDATE_STATE = f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in STATE_COLUMNS)} WHERE sandbox = ?"
 _PUT = (
     "INSERT OR REPLACE INTO sandboxes (sandbox, incarnation, registration, registered_at, "
-    f"{', '.join(_STATE_COLS)}) VALUES ({', '.join('?' * (4 + len(_STATE_COLS)))})"
-)
-_SELECT_SANDBOXES = (
-    f"SELECT sandbox, registration, registered_at, {', '.join(_STATE_COLS)} FROM sandboxes ORDER BY sandbox"
+    f"{', '.join(STATE_COLUMNS)}) VALUES ({', '.join('?' * (4 + len(STATE_COLUMNS)))})"
 )
 _INSERT_EVENT = (
     "INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -96,50 +106,95 @@ _CLAIM_FIRST = (  # an epoch's first batch: no record, or one of an older epoch
     "WHERE feed_ledger.epoch_ns < excluded.epoch_ns"
 )
 _CLAIM_NEXT = "UPDATE feed_ledger SET last_seq = ? WHERE identity = ? AND epoch = ? AND last_seq = ?"
+_LOCK_CHUNK = 500  # IDs per SELECT ... IN (...): well under SQLite's limit on bound parameters
 
 Synchronous = Literal["FULL", "NORMAL"]
 
 
-def _state_row(st: SandboxState) -> tuple[object, ...]:
-    return (
-        st.state.value, st.active_since, st.last_activity, st.bytes_in, st.bytes_out, st.open_connections,
-        st.hold_until, st.stopped_at, None if st.wake_from is None else st.wake_from.value, int(st.fenced),
-    )
+class SqliteTx:
+    """``Tx`` on the store's connection inside ``BEGIN IMMEDIATE``; unusable once the transaction ends."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self._store = store
+        self._open = True
+
+    def _c(self) -> sqlite3.Connection:
+        if not self._open:
+            raise LocalProtocolError("tx_closed", "the transaction has ended")
+        return self._store._conn
+
+    def end(self) -> None:
+        self._open = False
+
+    def lock(self, sandboxes: Collection[str]) -> dict[str, StoredSandbox]:
+        c = self._c()
+        ids = list(dict.fromkeys(sandboxes))
+        out: dict[str, StoredSandbox] = {}
+        for i in range(0, len(ids), _LOCK_CHUNK):
+            part = ids[i : i + _LOCK_CHUNK]
+            marks = ", ".join("?" * len(part))
+            for row in c.execute(f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox IN ({marks})", part):
+                s = self._store._sandbox_of(row)
+                out[s.sandbox] = s
+        for sid in ids:
+            if sid not in out:
+                self._store._regs.forget(sid)
+        return out
+
+    def ledger(self, identity: str) -> Stored | None:
+        row = self._c().execute("SELECT epoch, last_seq FROM feed_ledger WHERE identity = ?", (identity,)).fetchone()
+        return None if row is None else Stored(str(row[0]), int(row[1]))
+
+    def put_registration(
+        self, sandbox: str, registration: Registration, registered_at: float, state: SandboxState,
+        events: Sequence[Event],
+    ) -> list[int]:
+        c = self._c()
+        body = push_registration(registration).decode()
+        c.execute(_PUT, (sandbox, registration.incarnation, body, registered_at, *state_row(state)))
+        return self._insert_events(c, events)
+
+    def remove_registration(self, sandbox: str) -> bool:
+        self._store._regs.forget(sandbox)
+        return self._c().execute("DELETE FROM sandboxes WHERE sandbox = ?", (sandbox,)).rowcount > 0
+
+    def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
+        c = self._c()
+        c.executemany(_UPDATE_STATE, [(*state_row(st), sid) for sid, st in updates.items()])
+        return self._insert_events(c, events)
+
+    def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
+        rec = check_apply(batch, decision)
+        c = self._c()
+        if rec.last_seq == 1:
+            cur = c.execute(_CLAIM_FIRST, (identity, rec.epoch, epoch_start_ns(rec.epoch)))
+        else:
+            cur = c.execute(_CLAIM_NEXT, (rec.last_seq, identity, rec.epoch, rec.last_seq - 1))
+        if cur.rowcount != 1:
+            raise LedgerConflict(identity)
+
+    @staticmethod
+    def _insert_events(c: sqlite3.Connection, events: Sequence[Event]) -> list[int]:
+        ids = []
+        for ev in events:
+            cur = c.execute(_INSERT_EVENT, event_row(ev))
+            assert cur.lastrowid is not None
+            ids.append(cur.lastrowid)
+        return ids
 
 
-def _state_of(row: Sequence[Any]) -> SandboxState:  # a row's values are what the schema says
-    state, active_since, last_activity, bytes_in, bytes_out, n_open, hold_until, stopped_at, wake_from, fenced = row
-    return SandboxState(
-        active_since=float(active_since),
-        state=State(state),
-        last_activity=None if last_activity is None else float(last_activity),
-        bytes_in=int(bytes_in),
-        bytes_out=int(bytes_out),
-        open_connections=int(n_open),
-        hold_until=None if hold_until is None else float(hold_until),
-        stopped_at=None if stopped_at is None else float(stopped_at),
-        wake_from=None if wake_from is None else State(wake_from),
-        fenced=bool(fenced),
-    )
-
-
-def _event_of(row: Sequence[Any]) -> StoredEvent:
-    eid, sandbox, incarnation, frm, to, at, why = row
-    ev = Event(
-        str(sandbox), str(incarnation), None if frm is None else State(frm), State(to), float(at),
-        Why(why),
-    )
-    return StoredEvent(int(eid), ev)
-
-
-class SqliteStore:
+class SqliteStore(OneShotWrites):
     """``Store`` on one SQLite file. One owner: not shared between threads (sqlite3's default check)."""
+
+    shared = False
 
     def __init__(
         self, path: str | PathLike[str], *, synchronous: Synchronous = "FULL", busy_timeout_s: float = 5.0
     ) -> None:
         if synchronous not in ("FULL", "NORMAL"):
             raise LocalProtocolError("bad_config", "synchronous must be FULL or NORMAL")
+        self._tx: SqliteTx | None = None
+        self._regs = RegistrationCache()
         try:
             # isolation_level=None: the module opens no transaction of its own; ours are explicit.
             self._conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_s)
@@ -160,11 +215,14 @@ class SqliteStore:
     # -- transactions ---------------------------------------------------------------------------
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self) -> Iterator[SqliteTx]:
+        if self._tx is not None:
+            raise LocalProtocolError("nested_transaction", "this store already has a transaction open")
         conn = self._conn
+        tx = self._tx = SqliteTx(self)
         try:
             conn.execute("BEGIN IMMEDIATE")
-            yield conn
+            yield tx
             conn.execute("COMMIT")
         except sqlite3.Error as e:
             self._rollback()
@@ -172,6 +230,9 @@ class SqliteStore:
         except BaseException:
             self._rollback()
             raise
+        finally:
+            tx.end()
+            self._tx = None
 
     def _rollback(self) -> None:
         try:
@@ -187,7 +248,8 @@ class SqliteStore:
             raise StoreError("sqlite", str(e)) from e
 
     def _create(self) -> None:
-        with self._tx() as c:
+        with self.transaction():
+            c = self._conn
             exists = c.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
             ).fetchone()
@@ -197,94 +259,41 @@ class SqliteStore:
                         c.execute(stmt)
                 c.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
                 return
-            rows = c.execute("SELECT version FROM schema_version").fetchall()
-            if [tuple(r) for r in rows] != [(SCHEMA_VERSION,)]:
+            rows = [tuple(r) for r in c.execute("SELECT version FROM schema_version").fetchall()]
+            if rows != [(SCHEMA_VERSION,)]:
                 found = [r[0] for r in rows]
                 raise StoreError("schema_version", f"the file has {found}, this build knows {SCHEMA_VERSION}")
 
-    @staticmethod
-    def _insert_events(c: sqlite3.Connection, events: Sequence[Event]) -> list[int]:
-        ids = []
-        for ev in events:
-            cur = c.execute(
-                _INSERT_EVENT,
-                (
-                    ev.sandbox, ev.incarnation, None if ev.from_state is None else ev.from_state.value,
-                    ev.to_state.value, ev.at, ev.why.value,
-                    _WEBHOOK_DUE if ev.to_state.value in WEBHOOK_STATES else _WEBHOOK_NONE,
-                ),
-            )
-            assert cur.lastrowid is not None
-            ids.append(cur.lastrowid)
-        return ids
+    def _sandbox_of(self, row: Sequence[Any]) -> StoredSandbox:
+        sandbox, body, registered_at = str(row[0]), str(row[1]), row[2]
+        reg = self._regs.get(sandbox, body)
+        return StoredSandbox(sandbox, reg, float(registered_at), state_of(row[3:]))
 
-    # -- the registry and the timer core's state ------------------------------------------------
-
-    def put_registration(
-        self, sandbox: str, registration: Registration, registered_at: float, state: SandboxState,
-        events: Sequence[Event],
-    ) -> list[int]:
-        body = push_registration(registration).decode()
-        with self._tx() as c:
-            c.execute(_PUT, (sandbox, registration.incarnation, body, registered_at, *_state_row(state)))
-            return self._insert_events(c, events)
-
-    def remove_registration(self, sandbox: str) -> bool:
-        with self._tx() as c:
-            return c.execute("DELETE FROM sandboxes WHERE sandbox = ?", (sandbox,)).rowcount > 0
+    # -- reads ----------------------------------------------------------------------------------
 
     def sandboxes(self) -> list[StoredSandbox]:
-        out = []
-        for row in self._read(_SELECT_SANDBOXES):
-            sandbox, body, registered_at = row[0], row[1], row[2]
-            try:
-                reg = pull_registration(str(body).encode())
-            except RouteError as e:
-                raise StoreError("bad_row", f"sandbox {sandbox!r}: stored registration refused: {e.reason}") from None
-            out.append(StoredSandbox(str(sandbox), reg, float(registered_at), _state_of(row[3:])))
+        out = [self._sandbox_of(row) for row in self._read(f"SELECT {_ROW_COLS} FROM sandboxes ORDER BY sandbox")]
+        self._regs.keep_only({s.sandbox for s in out})
         return out
-
-    def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
-        with self._tx() as c:
-            c.executemany(_UPDATE_STATE, [(*_state_row(st), sid) for sid, st in updates.items()])
-            return self._insert_events(c, events)
-
-    # -- the feed ledger ------------------------------------------------------------------------
 
     def ledger(self, identity: str) -> Stored | None:
         rows = self._read("SELECT epoch, last_seq FROM feed_ledger WHERE identity = ?", (identity,))
         return Stored(str(rows[0][0]), int(rows[0][1])) if rows else None
 
-    def apply_batch(
-        self, identity: str, batch: Batch, decision: Decision, sandbox_updates: Mapping[str, SandboxState],
-        events: Sequence[Event],
-    ) -> list[int]:
-        rec = check_apply(batch, decision)
-        with self._tx() as c:
-            # The claim first: a conflict is found before anything else is written.
-            if rec.last_seq == 1:
-                cur = c.execute(_CLAIM_FIRST, (identity, rec.epoch, epoch_start_ns(rec.epoch)))
-            else:
-                cur = c.execute(_CLAIM_NEXT, (rec.last_seq, identity, rec.epoch, rec.last_seq - 1))
-            if cur.rowcount != 1:
-                raise LedgerConflict(identity)
-            c.executemany(_UPDATE_STATE, [(*_state_row(st), sid) for sid, st in sandbox_updates.items()])
-            return self._insert_events(c, events)
-
     # -- events ---------------------------------------------------------------------------------
 
     def events_after(self, after_id: int, limit: int = 1000) -> list[StoredEvent]:
         rows = self._read(f"{_SELECT_EVENTS} WHERE id > ? ORDER BY id LIMIT ?", (after_id, limit))
-        return [_event_of(r) for r in rows]
+        return [event_of(r) for r in rows]
 
     def undelivered_webhooks(self, limit: int = 100) -> list[StoredEvent]:
-        rows = self._read(f"{_SELECT_EVENTS} WHERE webhook = {_WEBHOOK_DUE} ORDER BY id LIMIT ?", (limit,))
-        return [_event_of(r) for r in rows]
+        rows = self._read(f"{_SELECT_EVENTS} WHERE webhook = {WEBHOOK_DUE} ORDER BY id LIMIT ?", (limit,))
+        return [event_of(r) for r in rows]
 
     def mark_delivered(self, event_ids: Sequence[int]) -> None:
-        with self._tx() as c:
-            c.executemany(
-                f"UPDATE events SET webhook = {_WEBHOOK_DONE} WHERE id = ? AND webhook = {_WEBHOOK_DUE}",
+        with self.transaction():
+            self._conn.executemany(
+                f"UPDATE events SET webhook = {WEBHOOK_DONE} WHERE id = ? AND webhook = {WEBHOOK_DUE}",
                 [(i,) for i in event_ids],
             )
 

@@ -1,44 +1,55 @@
-"""What the scheduler keeps across restarts, as one small interface (``Store``), and the two steps that tie
-it to the pure cores: ``load_core`` (a ``TimerCore`` rebuilt from the store) and ``ingest_batch`` (a feed
-batch judged, applied and persisted exactly once).
+"""What the scheduler keeps across restarts, as one small interface (``Store``, written through ``Tx``), and
+the two steps that tie it to the pure cores: ``load_core`` (a ``TimerCore`` rebuilt from the store) and
+``ingest_batch`` (a feed batch judged, applied and persisted exactly once).
 
 The store holds, per sandbox, its registration (the platform's JSON, ``push_registration``), when its
 incarnation began, and the timer core's ``SandboxState`` (state, meters, hold, stop time); per forwarder
 identity the feed ledger's ``Stored`` (epoch, last seq); and every ``Event`` with an increasing id (the
 SSE stream resumes from an id, the webhook retries what is not yet delivered).
 
-Every write method is one transaction. The one that matters most is ``apply_batch``: the batch's effect
-on the sandboxes, its events and its ledger record commit together or not at all, so a crash can never
-leave a batch applied without its seq recorded (it would be applied again) or recorded without being
-applied (its bytes would be lost).
+The store is the truth; a replica's ``TimerCore`` is a cache of it. Several replicas may share one store
+(``Store.shared``: PostgreSQL), so every write is one transaction (``Store.transaction``) that first locks
+and reads the rows it will change (``Tx.lock``, ``Tx.ledger``), has the caller restore those rows into
+its core (``TimerCore.restore``), apply the operation there, and write back what changed (``Tx.save``).
+Two replicas therefore never lose each other's updates (the second waits for the first's commit and
+starts from its result), and an idle timer fires once (the second replica re-reads the row under the
+lock, finds it idle already, and its core makes no event). A write that skips the lock (a one-shot
+``save`` of states computed from a stale core) can overwrite another replica's commit: the one-shot
+methods are for a store with one writer, and for tests.
+
+The one that matters most is the feed batch: its effect on the sandboxes, its events and its ledger
+record commit together or not at all, so a crash can never leave a batch applied without its seq
+recorded (it would be applied again) or recorded without being applied (its bytes would be lost).
 
 The ledger write is a claim, one conditional statement: it succeeds only if the stored record is still
 the one the decision was made on (the same epoch at ``seq - 1``, or, for an epoch's first batch, none
-or an older epoch). A claim that fails raises ``LedgerConflict`` and rolls back: another writer (a second
-replica on a shared PostgreSQL) applied something meanwhile; the caller re-reads and decides again. On
-SQLite with one writer it never fails, but the same code is right for several.
+or an older epoch). Read under the transaction the record cannot move, except that two writers can
+both find none and both claim seq 1: the second claim fails, raises ``LedgerConflict``, and the
+transaction rolls back; the forwarder's resend is then a duplicate.
 
 The core is ahead of the store while a transaction runs: ``ingest_batch`` applies the batch to the core,
 then persists what changed. If the write fails, the core holds changes the store does not, so the caller
 must rebuild the core (``load_core``) before it is used again; ``ingest_batch`` says so by raising.
+
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from sbxnet.errors import EnvironmentFault, LocalProtocolError
 from sbxnet.protocol.feed import Batch
-from sbxnet.protocol.routes import Registration
+from sbxnet.protocol.routes import Registration, RouteError, pull_registration
 from scheduler.feed_ledger import Decision, Stored, decide
-from scheduler.timers import Activity, Event, SandboxConfig, SandboxState, TimerCore
+from scheduler.timers import Activity, Event, SandboxConfig, SandboxState, State, TimerCore, Why
 
 
 class StoreError(EnvironmentFault):
-    """The store could not do what was asked (I/O, a full disk, a schema it does not know). The
-    transaction was rolled back."""
+    """The store could not do what was asked (I/O, a full disk, a lost connection, a schema it does not
+    know). The transaction was rolled back (after a failed commit: its outcome may be unknown)."""
 
 
 class LedgerConflict(StoreError):
@@ -68,11 +79,20 @@ class StoredEvent:
     event: Event
 
 
-class Store(Protocol):
-    """What the scheduler's adapters call. Each method is one transaction; a failure raises
-    ``StoreError`` and leaves the store as it was."""
+class Tx(Protocol):
+    """One open transaction (``Store.transaction``). Rows read through it stay locked against other
+    writers until it ends. Lock before writing: a transaction that writes and then locks more rows can
+    deadlock with another replica (PostgreSQL then aborts one of them with a ``StoreError``)."""
 
-    # -- the registry and the timer core's state ------------------------------------------------
+    def lock(self, sandboxes: Collection[str]) -> dict[str, StoredSandbox]:
+        """The stored rows of these sandboxes (IDs not stored are left out), locked until the transaction
+        ends. PostgreSQL: ``SELECT ... FOR UPDATE`` in ID order, so two replicas locking overlapping sets
+        never deadlock; SQLite: ``BEGIN IMMEDIATE`` already holds the whole database."""
+        ...
+
+    def ledger(self, identity: str) -> Stored | None:
+        """The record for a forwarder identity, or None; locked where it exists."""
+        ...
 
     def put_registration(
         self, sandbox: str, registration: Registration, registered_at: float, state: SandboxState,
@@ -86,40 +106,81 @@ class Store(Protocol):
         """Forget a sandbox and its state (its events stay). False if it was not stored."""
         ...
 
-    def sandboxes(self) -> list[StoredSandbox]:
-        """Every stored sandbox, by ID."""
+    def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
+        """The timer core's states for the sandboxes an operation changed (timers, holds, wake, driver, a
+        batch) and its events. A state whose sandbox is not stored is not written (it was removed
+        meanwhile). Returns the events' ids, increasing in the order given."""
+        ...
+
+    def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
+        """Claim the ledger record ``decision.store`` for ``batch`` (one conditional statement);
+        ``LedgerConflict`` if the stored record moved since the decision. ``decision`` must be an APPLY
+        for ``batch`` (LocalProtocolError otherwise)."""
+        ...
+
+
+class Store(Protocol):
+    """What the scheduler's adapters call. Writes go through ``transaction``; the one-shot write methods
+    are each one transaction. A failure raises ``StoreError`` and leaves the store as it was."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether other replicas may write to this store (False: this process is its only writer)."""
+        ...
+
+    def transaction(self) -> AbstractContextManager[Tx]:
+        """A transaction: committed when the block ends normally, rolled back when it raises (the
+        exception propagates; a database error is raised as ``StoreError``). A commit that fails raises
+        ``StoreError``. One at a time per store object (LocalProtocolError for a nested one)."""
+        ...
+
+    # -- one-shot writes, each its own transaction ---------------------------------------------
+
+    def put_registration(
+        self, sandbox: str, registration: Registration, registered_at: float, state: SandboxState,
+        events: Sequence[Event],
+    ) -> list[int]:
+        """``Tx.put_registration`` in a transaction of its own."""
+        ...
+
+    def remove_registration(self, sandbox: str) -> bool:
+        """``Tx.remove_registration`` in a transaction of its own."""
         ...
 
     def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
-        """The timer core's states for the sandboxes a call changed (timers, holds, wake, driver) and
-        its events. A state whose sandbox is not stored is not written (it was removed meanwhile).
-        Returns the events' ids."""
-        ...
-
-    # -- the feed ledger ------------------------------------------------------------------------
-
-    def ledger(self, identity: str) -> Stored | None:
-        """The record for a forwarder identity, or None when there is none."""
+        """``Tx.save`` in a transaction of its own (no lock: see the module docstring)."""
         ...
 
     def apply_batch(
         self, identity: str, batch: Batch, decision: Decision, sandbox_updates: Mapping[str, SandboxState],
         events: Sequence[Event],
     ) -> list[int]:
-        """In one transaction: claim the ledger record ``decision.store`` (``LedgerConflict`` if the stored
-        record moved since the decision), write the sandboxes' states after the batch (byte totals, open
-        connections, last activity, state changes) and its events. ``decision`` must be an APPLY for
-        ``batch`` (LocalProtocolError otherwise). Returns the events' ids."""
+        """In one transaction: ``Tx.claim`` (``LedgerConflict`` if the stored record moved since the
+        decision), then ``Tx.save`` of the sandboxes' states after the batch and its events. Returns the
+        events' ids."""
+        ...
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def sandboxes(self) -> list[StoredSandbox]:
+        """Every stored sandbox, by ID."""
+        ...
+
+    def ledger(self, identity: str) -> Stored | None:
+        """The record for a forwarder identity, or None when there is none."""
         ...
 
     # -- events ---------------------------------------------------------------------------------
 
     def events_after(self, after_id: int, limit: int = 1000) -> list[StoredEvent]:
-        """Events with an id above ``after_id``, oldest first (the SSE stream's resume)."""
+        """Events with an id above ``after_id``, oldest first (the SSE stream's resume). An id becomes
+        visible only after every lower id has (so a reader that resumes from the last id it saw misses
+        nothing)."""
         ...
 
     def undelivered_webhooks(self, limit: int = 100) -> list[StoredEvent]:
-        """Events the platform's webhook must get (to ``idle`` or ``waking``) not yet marked delivered."""
+        """Events the platform's webhook must get (to ``idle`` or ``waking``) not yet marked delivered,
+        oldest first."""
         ...
 
     def mark_delivered(self, event_ids: Sequence[int]) -> None:
@@ -140,12 +201,139 @@ def check_apply(batch: Batch, decision: Decision) -> Stored:
     return rec
 
 
+class OneShotWrites:
+    """The one-shot write methods of ``Store``, each one ``transaction()``, for a store class to inherit."""
+
+    def transaction(self) -> AbstractContextManager[Tx]:
+        raise NotImplementedError
+
+    def put_registration(
+        self, sandbox: str, registration: Registration, registered_at: float, state: SandboxState,
+        events: Sequence[Event],
+    ) -> list[int]:
+        with self.transaction() as tx:
+            return tx.put_registration(sandbox, registration, registered_at, state, events)
+
+    def remove_registration(self, sandbox: str) -> bool:
+        with self.transaction() as tx:
+            return tx.remove_registration(sandbox)
+
+    def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
+        with self.transaction() as tx:
+            return tx.save(updates, events)
+
+    def apply_batch(
+        self, identity: str, batch: Batch, decision: Decision, sandbox_updates: Mapping[str, SandboxState],
+        events: Sequence[Event],
+    ) -> list[int]:
+        check_apply(batch, decision)  # before a transaction is begun
+        with self.transaction() as tx:
+            # The claim first: a conflict is found before anything else is written.
+            tx.claim(identity, batch, decision)
+            return tx.save(sandbox_updates, events)
+
+
+# -- rows, as both SQL stores lay them out --------------------------------------------------------
+
+STATE_COLUMNS = (
+    "state", "active_since", "last_activity", "bytes_in", "bytes_out", "open_connections", "hold_until",
+    "stopped_at", "wake_from", "fenced",
+)
+WEBHOOK_NONE, WEBHOOK_DUE, WEBHOOK_DONE = 0, 1, 2  # events.webhook
+
+
+def state_row(st: SandboxState) -> tuple[object, ...]:
+    """A state's values in ``STATE_COLUMNS`` order."""
+    return (
+        st.state.value, st.active_since, st.last_activity, st.bytes_in, st.bytes_out, st.open_connections,
+        st.hold_until, st.stopped_at, None if st.wake_from is None else st.wake_from.value, bool(st.fenced),
+    )
+
+
+def state_of(row: Sequence[Any]) -> SandboxState:
+    """The state in a row's ``STATE_COLUMNS`` values (which are what the schema says)."""
+    state, active_since, last_activity, bytes_in, bytes_out, n_open, hold_until, stopped_at, wake_from, fenced = row
+    return SandboxState(
+        active_since=float(active_since),
+        state=State(state),
+        last_activity=None if last_activity is None else float(last_activity),
+        bytes_in=int(bytes_in),
+        bytes_out=int(bytes_out),
+        open_connections=int(n_open),
+        hold_until=None if hold_until is None else float(hold_until),
+        stopped_at=None if stopped_at is None else float(stopped_at),
+        wake_from=None if wake_from is None else State(wake_from),
+        fenced=bool(fenced),
+    )
+
+
+def event_row(ev: Event) -> tuple[object, ...]:
+    """An event's values: sandbox, incarnation, from_state, to_state, at, why, webhook."""
+    return (
+        ev.sandbox, ev.incarnation, None if ev.from_state is None else ev.from_state.value, ev.to_state.value,
+        ev.at, ev.why.value, WEBHOOK_DUE if ev.to_state.value in WEBHOOK_STATES else WEBHOOK_NONE,
+    )
+
+
+def event_of(row: Sequence[Any]) -> StoredEvent:
+    """The event in a row of id, sandbox, incarnation, from_state, to_state, at, why."""
+    eid, sandbox, incarnation, frm, to, at, why = row
+    ev = Event(str(sandbox), str(incarnation), None if frm is None else State(frm), State(to), float(at), Why(why))
+    return StoredEvent(int(eid), ev)
+
+
+class RegistrationCache:
+    """Parsed registrations by sandbox, reused while the stored JSON is the same text: a batch locks and
+    reads every sandbox it names, and parsing each one's registration again would cost more than the
+    rest of the write."""
+
+    MAX = 1_000_000  # beyond this (sandboxes removed elsewhere, never seen again) start afresh
+
+    def __init__(self) -> None:
+        self._regs: dict[str, tuple[str, Registration]] = {}
+
+    def get(self, sandbox: str, body: str) -> Registration:
+        hit = self._regs.get(sandbox)
+        if hit is not None and hit[0] == body:
+            return hit[1]
+        try:
+            reg = pull_registration(body.encode())
+        except RouteError as e:
+            raise StoreError("bad_row", f"sandbox {sandbox!r}: stored registration refused: {e.reason}") from None
+        if len(self._regs) >= self.MAX:
+            self._regs.clear()
+        self._regs[sandbox] = (body, reg)
+        return reg
+
+    def forget(self, sandbox: str) -> None:
+        self._regs.pop(sandbox, None)
+
+    def keep_only(self, sandboxes: Collection[str]) -> None:
+        """After a full read: drop the sandboxes no longer stored."""
+        self._regs = {s: v for s, v in self._regs.items() if s in sandboxes}
+
+
 def load_core(store: Store) -> TimerCore:
     """A timer core holding every stored sandbox as it was saved (no events)."""
     core = TimerCore()
     for s in store.sandboxes():
         core.restore(s.config(), s.state)
     return core
+
+
+def sync_core(core: TimerCore, sandboxes: Collection[str], rows: Mapping[str, StoredSandbox]) -> None:
+    """Make ``core`` hold what the store holds for ``sandboxes`` (``rows``, from ``Tx.lock``): a stored
+    sandbox restored unless the core has it exactly so already, one that is not stored removed (another
+    replica removed it, or it was never registered)."""
+    for sid in sandboxes:
+        row = rows.get(sid)
+        if row is None:
+            core.remove(sid)
+            continue
+        config = row.config()
+        if sid in core and core.config(sid) == config and core.snapshot(sid) == row.state:
+            continue  # the common case with one writer: leave its heap entry where it is
+        core.restore(config, row.state)
 
 
 class CoreAhead(StoreError):
@@ -155,22 +343,35 @@ class CoreAhead(StoreError):
 def ingest_batch(
     core: TimerCore, store: Store, identity: str, batch: Batch, now: float
 ) -> tuple[Decision, list[Event]]:
-    """Judge ``batch`` from ``identity`` against the stored ledger; if it is to be applied, apply each entry
-    to ``core`` (last activity = ``now - idle_s``) and persist the touched sandboxes, the events and the
-    ledger record in one ``apply_batch``. Returns the decision (its ``answer`` is what to send) and the
-    events (to publish once this returns). Raises ``CoreAhead`` if the write failed: nothing was stored,
-    the core must be rebuilt, and the forwarder gets no answer (it resends the same batch)."""
-    decision = decide(store.ledger(identity), batch)
-    if not decision.apply:
-        return decision, []
-    events: list[Event] = []
-    touched: dict[str, SandboxState] = {}
-    for r in batch.sandboxes:
-        events += core.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, now - r.idle_s, now)
-        if r.sandbox in core:
-            touched[r.sandbox] = core.snapshot(r.sandbox)
+    """Judge ``batch`` from ``identity`` against the ledger record read (and locked) in one transaction; if
+    it is to be applied, lock the batch's sandboxes, bring ``core`` up to what the store holds for them
+    (``sync_core``), apply each entry to the core (last activity = ``now - idle_s``) and write the ledger
+    claim, the touched sandboxes and the events in the same transaction. Returns the decision (its
+    ``answer`` is what to send) and the events (to publish once this returns).
+
+    Raises ``CoreAhead`` if the write failed after the core was changed (including ``LedgerConflict``):
+    nothing was stored, the core must be rebuilt, and the forwarder gets no answer (it resends the same
+    batch). A ``StoreError`` before that (the store unreachable, the ledger unreadable) is raised as it is:
+    the core is still a faithful cache."""
+    ahead = False
     try:
-        store.apply_batch(identity, batch, decision, touched, events)
+        with store.transaction() as tx:
+            decision = decide(tx.ledger(identity), batch)
+            if not decision.apply:
+                return decision, []
+            sids = [r.sandbox for r in batch.sandboxes]
+            sync_core(core, sids, tx.lock(sids))
+            ahead = True
+            events: list[Event] = []
+            touched: dict[str, SandboxState] = {}
+            for r in batch.sandboxes:
+                events += core.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, now - r.idle_s, now)
+                if r.sandbox in core:
+                    touched[r.sandbox] = core.snapshot(r.sandbox)
+            tx.claim(identity, batch, decision)
+            tx.save(touched, events)
     except StoreError as e:
+        if not ahead:
+            raise
         raise CoreAhead(e.reason, e.detail) from e
     return decision, events

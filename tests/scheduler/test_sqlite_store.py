@@ -31,7 +31,7 @@ from sbxnet.protocol.feed import Answer, Batch, SandboxReport, new_epoch, pull_a
 from sbxnet.protocol.routes import Registration, pull_registration
 from scheduler.feed_ledger import Verdict, decide
 from scheduler.sqlite_store import SCHEMA_VERSION, SqliteStore
-from scheduler.store import CoreAhead, LedgerConflict, StoreError, ingest_batch, load_core
+from scheduler.store import CoreAhead, LedgerConflict, StoreError, ingest_batch, load_core, sync_core
 from scheduler.timers import Event, SandboxConfig, State, TimerCore, Why
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,6 +211,67 @@ def test_a_claim_on_a_record_that_moved_conflicts_and_writes_nothing(db: Path) -
         b.apply_batch(FWD, batch(E1, 1), decide(None, batch(E1, 1)), {}, [])
     a.close()
     b.close()
+
+
+def fire_timers(core: TimerCore, store: SqliteStore, now: float) -> list[Event]:
+    """The service's pattern for an idle timer: lock the sandboxes the core thinks are due, restore what
+    the store holds, run the timers, save what changed."""
+    with store.transaction() as tx:
+        due = [s.sandbox for s in core.status(now) if s.idle_in_s == 0.0]
+        sync_core(core, due, tx.lock(due))
+        events = core.on_timer(now)
+        tx.save({e.sandbox: core.snapshot(e.sandbox) for e in events}, events)
+    return events
+
+
+def test_two_stores_on_one_file_interleaved_lose_no_update_and_fire_once(db: Path) -> None:
+    """Two replicas on one file, each with its own core, a cache that is stale after the other's writes:
+    their transactions alternate (batches from two forwarders about the same sandboxes, holds, timers),
+    each starts from the other's commit, so the totals are exact and each idle timer fires once."""
+    a, core_a = with_sandboxes(db, "sbx-a", "sbx-b")
+    b, core_b = opened(db)
+    fwd2 = "spiffe://sbxnet.test/forwarder-2"
+    want = {"sbx-a": [0, 0], "sbx-b": [0, 0]}
+    for i in range(1, 21):
+        store, core, fwd = (a, core_a, FWD) if i % 2 else (b, core_b, fwd2)
+        d, _ = ingest_batch(core, store, fwd, batch(E1, (i + 1) // 2, ("sbx-a", i, 2 * i), ("sbx-b", 1, 0)), 100.0 + i)
+        assert d.verdict is Verdict.APPLY
+        want["sbx-a"][0] += i
+        want["sbx-a"][1] += 2 * i
+        want["sbx-b"][0] += 1
+    assert totals(a) == totals(b) == {k: tuple(v) for k, v in want.items()}
+    with a.transaction() as tx:  # a hold through the pattern, on the stale core of a
+        sync_core(core_a, ["sbx-b"], tx.lock(["sbx-b"]))
+        held = core_a.hold("sbx-b", 1000.0, 121.0)
+        tx.save({"sbx-b": core_a.snapshot("sbx-b")}, held.events)
+    assert totals(a)["sbx-b"] == (20, 0)  # the hold wrote the bytes b's batches added, not a stale count
+    fired_b = fire_timers(core_b, b, 1000.0)  # b's core does not know the hold: sbx-b looks due to it
+    fired_a = fire_timers(core_a, a, 1000.0)
+    assert [e.sandbox for e in fired_b] == ["sbx-a"] and fired_a == []
+    assert [e.sandbox for e in fire_timers(core_b, b, 2000.0)] == ["sbx-b"]  # the hold's end + 300 s passed
+    idle = [e.event.sandbox for e in a.events_after(0) if e.event.to_state is State.IDLE]
+    assert sorted(idle) == ["sbx-a", "sbx-b"]
+    assert fire_timers(core_a, a, 3000.0) == []
+    assert [s.state for s in b.sandboxes()] == [core_a.snapshot("sbx-a"), core_a.snapshot("sbx-b")]
+    a.close()
+    b.close()
+
+
+def test_a_transaction_rolls_back_on_an_exception_and_refuses_nesting(db: Path) -> None:
+    store, core = with_sandboxes(db, "sbx-a")
+    before = snapshot_db(store)
+    with pytest.raises(RuntimeError, match="injected"), store.transaction() as tx:
+        tx.save({"sbx-a": core.snapshot("sbx-a")}, core.on_timer(1000.0))
+        tx.claim(FWD, batch(E1, 1), decide(None, batch(E1, 1)))
+        raise RuntimeError("injected")
+    assert snapshot_db(store) == before and not store._conn.in_transaction
+    with store.transaction() as tx:
+        with pytest.raises(LocalProtocolError):
+            store.save({}, [])
+        assert tx.lock(["sbx-a", "nope", "sbx-a"]).keys() == {"sbx-a"}
+    with pytest.raises(LocalProtocolError):
+        tx.lock(["sbx-a"])  # the transaction has ended
+    store.close()
 
 
 # --- atomicity -----------------------------------------------------------------------------------------
