@@ -17,8 +17,11 @@ read lock; each then starts from the other's result). ``shared`` is False: the s
 on a file, but two stores on one file are still correct. Any ``sqlite3.Error`` rolls the transaction back
 and is raised as ``StoreError``. Reads outside a transaction see the latest commit.
 
-The schema is created on open, with its version in ``schema_version``; a file of another version is
-refused (no migration yet: there has been one version).
+Webhook claims (``claim_webhooks``) are ``claimed_by`` / ``claimed_until`` on the event row.
+
+The schema is created on open, with its version in ``schema_version``: version 2 (version 1 had no
+webhook claim columns; a version 1 file is migrated on open by adding them). A file of any other version
+is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from scheduler.store import (
     StoredSandbox,
     StoreError,
     check_apply,
+    check_lease,
     event_of,
     event_row,
     state_of,
@@ -51,7 +55,7 @@ from scheduler.store import (
 )
 from scheduler.timers import Event, SandboxState
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -85,10 +89,19 @@ CREATE TABLE events (
     to_state TEXT NOT NULL,
     at REAL NOT NULL,
     why TEXT NOT NULL,
-    webhook INTEGER NOT NULL             -- 0: not for the webhook, 1: due, 2: delivered
+    webhook INTEGER NOT NULL,            -- 0: not for the webhook, 1: due, 2: delivered
+    claimed_by TEXT,                     -- the webhook owner holding a lease on it, until claimed_until
+    claimed_until REAL
 );
 CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
 """
+# Version 1 -> 2: the webhook claim columns.
+_MIGRATE_1 = (
+    "ALTER TABLE events ADD COLUMN claimed_by TEXT",
+    "ALTER TABLE events ADD COLUMN claimed_until REAL",
+    "UPDATE schema_version SET version = 2",
+)
+
 _ROW_COLS = f"sandbox, registration, registered_at, {', '.join(STATE_COLUMNS)}"
 _UPDATE_STATE = f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in STATE_COLUMNS)} WHERE sandbox = ?"
 _PUT = (
@@ -260,9 +273,15 @@ class SqliteStore(OneShotWrites):
                 c.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
                 return
             rows = [tuple(r) for r in c.execute("SELECT version FROM schema_version").fetchall()]
+            if rows == [(1,)]:
+                for stmt in _MIGRATE_1:
+                    c.execute(stmt)
+                return
             if rows != [(SCHEMA_VERSION,)]:
                 found = [r[0] for r in rows]
-                raise StoreError("schema_version", f"the file has {found}, this build knows {SCHEMA_VERSION}")
+                raise StoreError(
+                    "schema_version", f"the file has version {found}, this build knows 1 and {SCHEMA_VERSION}"
+                )
 
     def _sandbox_of(self, row: Sequence[Any]) -> StoredSandbox:
         sandbox, body, registered_at = str(row[0]), str(row[1]), row[2]
@@ -288,6 +307,20 @@ class SqliteStore(OneShotWrites):
 
     def undelivered_webhooks(self, limit: int = 100) -> list[StoredEvent]:
         rows = self._read(f"{_SELECT_EVENTS} WHERE webhook = {WEBHOOK_DUE} ORDER BY id LIMIT ?", (limit,))
+        return [event_of(r) for r in rows]
+
+    def claim_webhooks(self, owner: str, now: float, lease_s: float, limit: int = 100) -> list[StoredEvent]:
+        check_lease(lease_s, limit)
+        with self.transaction():
+            rows = self._conn.execute(
+                f"{_SELECT_EVENTS} WHERE webhook = {WEBHOOK_DUE} "
+                "AND (claimed_by IS NULL OR claimed_by = ? OR claimed_until <= ?) ORDER BY id LIMIT ?",
+                (owner, now, limit),
+            ).fetchall()
+            self._conn.executemany(
+                "UPDATE events SET claimed_by = ?, claimed_until = ? WHERE id = ?",
+                [(owner, now + lease_s, r[0]) for r in rows],
+            )
         return [event_of(r) for r in rows]
 
     def mark_delivered(self, event_ids: Sequence[int]) -> None:

@@ -31,6 +31,10 @@ The core is ahead of the store while a transaction runs: ``ingest_batch`` applie
 then persists what changed. If the write fails, the core holds changes the store does not, so the caller
 must rebuild the core (``load_core``) before it is used again; ``ingest_batch`` says so by raising.
 
+Webhooks: an event to ``idle`` or ``waking`` is due to the platform's webhook until ``mark_delivered``.
+Replicas take due events with ``claim_webhooks``, a lease per owner, so two replicas do not both deliver
+one event while the lease runs; a replica that dies holding a lease leaves its events to the others
+once it ends (delivery is at least once: a slow owner may deliver after its lease ran out).
 """
 
 from __future__ import annotations
@@ -180,7 +184,13 @@ class Store(Protocol):
 
     def undelivered_webhooks(self, limit: int = 100) -> list[StoredEvent]:
         """Events the platform's webhook must get (to ``idle`` or ``waking``) not yet marked delivered,
-        oldest first."""
+        oldest first, whoever holds a claim on them."""
+        ...
+
+    def claim_webhooks(self, owner: str, now: float, lease_s: float, limit: int = 100) -> list[StoredEvent]:
+        """Take up to ``limit`` undelivered webhook events, oldest first, that no other owner holds a lease
+        on (its ``claimed_until`` is ``now`` or earlier, or there is none; ``owner``'s own are taken
+        again), and lease them to ``owner`` until ``now + lease_s``, in one transaction."""
         ...
 
     def mark_delivered(self, event_ids: Sequence[int]) -> None:
@@ -199,6 +209,12 @@ def check_apply(batch: Batch, decision: Decision) -> Stored:
     if not decision.apply or rec is None or rec.epoch != batch.epoch or rec.last_seq != batch.seq:
         raise LocalProtocolError("not_an_apply", "apply_batch takes the APPLY decision for this batch")
     return rec
+
+
+def check_lease(lease_s: float, limit: int) -> None:
+    """``claim_webhooks``'s arguments: a positive finite lease, a positive limit."""
+    if not (lease_s > 0 and lease_s < float("inf")) or limit < 1:
+        raise LocalProtocolError("bad_lease", "lease_s must be positive and finite, limit at least 1")
 
 
 class OneShotWrites:

@@ -111,6 +111,33 @@ def test_a_file_of_another_schema_version_is_refused(db: Path) -> None:
     assert e.value.reason == "schema_version"
 
 
+def test_a_version_1_file_is_migrated_with_its_events(db: Path) -> None:
+    store, core = with_sandboxes(db, "sbx-a")
+    ids = store.save({"sbx-a": core.snapshot("sbx-a")}, core.on_timer(1000.0))
+    store.close()
+    c = sqlite3.connect(db)  # the events table as version 1 had it: no claim columns
+    c.executescript(
+        """
+        BEGIN;
+        ALTER TABLE events RENAME TO v2;
+        CREATE TABLE events (
+            id INTEGER PRIMARY KEY AUTOINCREMENT, sandbox TEXT NOT NULL, incarnation TEXT NOT NULL,
+            from_state TEXT, to_state TEXT NOT NULL, at REAL NOT NULL, why TEXT NOT NULL, webhook INTEGER NOT NULL
+        );
+        INSERT INTO events SELECT id, sandbox, incarnation, from_state, to_state, at, why, webhook FROM v2;
+        DROP TABLE v2;
+        UPDATE schema_version SET version = 1;
+        COMMIT;
+        """
+    )
+    c.close()
+    with SqliteStore(db) as store:
+        assert store._conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        assert [e.id for e in store.claim_webhooks("r1", 1001.0, 30.0)] == ids
+        assert store.claim_webhooks("r2", 1001.0, 30.0) == []  # r1's lease runs to 1031
+        assert [e.id for e in store.claim_webhooks("r2", 1031.0, 30.0)] == ids  # and then it is over
+
+
 def test_bad_settings_and_unopenable_paths(tmp_path: Path) -> None:
     with pytest.raises(LocalProtocolError):
         SqliteStore(tmp_path / "x.db", synchronous="OFF")  # type: ignore[arg-type]
