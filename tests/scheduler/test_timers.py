@@ -695,9 +695,9 @@ class TimerMachine(RuleBasedStateMachine):
 
     @rule()
     def on_timer(self) -> None:
-        due = self.core.due(self.now)
+        named = self.core.due(self.now)
         events = self.core.on_timer(self.now)
-        assert due == sorted(e.sandbox for e in events)  # due() names exactly what on_timer takes idle
+        assert named == sorted(e.sandbox for e in events)  # due() names exactly what on_timer takes idle
         due = []
         for sid, m in sorted(self.models.items()):
             d = m.deadline()

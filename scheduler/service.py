@@ -1,0 +1,346 @@
+"""The scheduler's service: the one owner of the timer core, the store and what follows a state change
+(docs/scheduler-api.md). The HTTP adapter (``api_http.py``) calls it; it calls no network itself.
+
+Every change runs the same way, synchronously on the event loop (so two requests never interleave inside
+one): open a store transaction, lock and re-read the rows it will change, put them back into the core
+(``_refresh``), apply the core's call, write back what changed with its events, commit. The store is the
+truth and the core a cache of it: on a store another replica writes too (PostgreSQL), the re-read under
+the row lock is what keeps two replicas from losing each other's updates or both firing one idle timer;
+on SQLite it costs a primary-key read. A write that fails leaves the core ahead of the store, so the core
+is rebuilt from the store (``load_core``) before the error goes back to the caller (``Unavailable``).
+
+After a commit the events are published: waiters on a sandbox's wake are woken, the timer loop re-arms,
+the event stream and the webhook sender are told there is something new (both read the store's event log,
+so an event another replica committed reaches them too, on their next poll).
+
+What the service does not decide: the states and timers (``timers.TimerCore``), the feed's exactly-once
+rule (``feed_ledger``), the shapes on the wire (``sbxnet.protocol``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+
+from sbxnet.errors import EnvironmentFault, LocalProtocolError
+from sbxnet.protocol.routes import Registration, Route
+from scheduler.feed_http import FeedService
+from scheduler.store import Store, StoreError, Tx, load_core
+from scheduler.timers import (
+    Activity,
+    Event,
+    SandboxConfig,
+    SandboxStatus,
+    State,
+    TimerCore,
+    UnknownSandbox,
+)
+
+log = logging.getLogger("sbxnet.scheduler")
+
+MAX_TIMER_SLEEP_S = 0.5  # the timer loop looks again at least this often (a report can make a deadline appear)
+
+
+class Unavailable(EnvironmentFault):
+    """The store failed; nothing was changed (the HTTP adapter answers 503)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("store_unavailable", detail)
+
+
+@dataclass(frozen=True, slots=True)
+class WakeAnswer:
+    """What ``POST /v1/sandboxes/{id}/wake`` answers: the state, and whether the driver failed the start."""
+
+    state: State
+    failed: bool = False
+
+
+class SchedulerService:
+    """``now`` is wall-clock seconds (the store keeps these times across restarts). ``auto_ready``: no
+    driver is configured, so a wake takes the sandbox straight to ``active`` (a fleet whose sandboxes
+    always run); otherwise the driver is the platform's webhook, which answers through ``driver_*``."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        forwarder_allow: Collection[str],
+        now: Callable[[], float] = time.time,
+        auto_ready: bool = False,
+        resync_s: float = 5.0,
+    ) -> None:
+        self.store = store
+        self.auto_ready = auto_ready
+        self.resync_s = resync_s
+        self._now = now
+        self.feed = FeedService(store, forwarder_allow, now=now, on_events=self._published)
+        self._changed: dict[str, asyncio.Event] = {}  # sandbox -> set at its next state change
+        self._new_events = asyncio.Event()  # the event stream and the webhook sender wait on it
+        self._timer_kick = asyncio.Event()
+        self._timer_task: asyncio.Task[None] | None = None
+        self.counters: dict[str, int] = {
+            "events": 0, "wakes": 0, "driver_starts": 0, "timer_fires": 0, "store_errors": 0, "resyncs": 0,
+        }
+
+    # -- the core and the transaction pattern ---------------------------------------------------
+
+    @property
+    def core(self) -> TimerCore:
+        """The feed adapter rebuilds its core when a write fails; this is always the current one."""
+        return self.feed.core
+
+    def now(self) -> float:
+        return self._now()
+
+    def _refresh(self, tx: Tx, sandboxes: Collection[str]) -> None:
+        """Lock these rows and put what the store holds into the core (a row another replica wrote wins;
+        a sandbox the store no longer has is forgotten)."""
+        rows = tx.lock(sandboxes)
+        core = self.core
+        for sid in sandboxes:
+            row = rows.get(sid)
+            if row is not None:
+                core.restore(row.config(), row.state)
+            elif sid in core:
+                core.remove(sid)
+
+    @contextlib.contextmanager
+    def _transaction(self, sandboxes: Collection[str]) -> Iterator[Tx]:
+        """A transaction with these rows locked and refreshed. A store failure rebuilds the core and
+        raises ``Unavailable``; any other exception rolls back and is re-raised (the core is rebuilt
+        too, since the call may have changed it before failing)."""
+        try:
+            with self.store.transaction() as tx:
+                self._refresh(tx, sandboxes)
+                yield tx
+        except StoreError as e:
+            self.counters["store_errors"] += 1
+            self._rebuild()
+            raise Unavailable(f"{e.reason}: {e.detail}") from e
+        except LocalProtocolError:
+            raise  # the core refused the call (unknown sandbox, a bad hold) before changing anything
+        except BaseException:
+            self._rebuild()
+            raise
+
+    def _rebuild(self) -> None:
+        self.feed._rebuild()
+        self._timer_kick.set()
+
+    def _published(self, events: list[Event]) -> None:
+        """After a commit: wake whoever waits on these sandboxes, and tell the stream and the sender."""
+        if not events:
+            return
+        self.counters["events"] += len(events)
+        for ev in events:
+            waiter = self._changed.pop(ev.sandbox, None)
+            if waiter is not None:
+                waiter.set()
+            log.info("state change", extra={"event": "state_change", "sandbox_id": ev.sandbox,
+                                            "fields": ev.to_json()})
+        self._new_events.set()
+        self._new_events = asyncio.Event()
+        self._timer_kick.set()
+
+    def new_events(self) -> asyncio.Event:
+        """Set at the next commit that made events (on this replica)."""
+        return self._new_events
+
+    # -- the registry ---------------------------------------------------------------------------
+
+    def register(self, sandbox: str, registration: Registration) -> tuple[bool, State]:
+        """``PUT /v1/sandboxes/{id}``: add or replace. Returns (created, state). A new incarnation starts
+        afresh (``registered``); the same one keeps its state and takes the new period and policy."""
+        now = self.now()
+        with self._transaction([sandbox]) as tx:
+            created = sandbox not in self.core
+            config = SandboxConfig(sandbox, registration.incarnation, registration.idle_period_s,
+                                   Activity(registration.activity), registered_at=now)
+            events = self.core.register(config, now)
+            registered_at = self.core.config(sandbox).registered_at
+            tx.put_registration(sandbox, registration, registered_at, self.core.snapshot(sandbox), events)
+        self._published(events)
+        state = self.core.state_of(sandbox)
+        assert state is not None
+        return created, state
+
+    def remove(self, sandbox: str) -> bool:
+        with self._transaction([sandbox]) as tx:
+            removed = tx.remove_registration(sandbox)
+            self.core.remove(sandbox)
+        return removed
+
+    def route(self, sandbox: str) -> Route | None:
+        """The gateway's route lookup: the registration as stored with the current state. Read from the
+        store (another replica may have changed it), not from the core."""
+        try:
+            with self.store.transaction() as tx:
+                row = tx.lock([sandbox]).get(sandbox)
+        except StoreError as e:
+            self.counters["store_errors"] += 1
+            raise Unavailable(f"{e.reason}: {e.detail}") from e
+        if row is None:
+            return None
+        return row.registration.route(sandbox, row.state.state.value)
+
+    # -- holds, wakes and the driver --------------------------------------------------------------
+
+    def hold(self, sandbox: str, ttl_s: float) -> float:
+        """``POST /v1/sandboxes/{id}/hold``; returns the hold in force (extend-only). UnknownSandbox."""
+        now = self.now()
+        with self._transaction([sandbox]) as tx:
+            self._known(sandbox)
+            outcome = self.core.hold(sandbox, ttl_s, now)
+            tx.save({sandbox: self.core.snapshot(sandbox)}, outcome.events)
+        self._published(outcome.events)
+        return outcome.hold_until
+
+    def start_wake(self, sandbox: str) -> State:
+        """One wake: idle or stopped -> waking (the driver's webhook is the ``waking`` event), stopping ->
+        active (the stop fence). With ``auto_ready`` the start completes at once. Returns the state."""
+        now = self.now()
+        self.counters["wakes"] += 1
+        with self._transaction([sandbox]) as tx:
+            self._known(sandbox)
+            outcome = self.core.wake(sandbox, now)
+            events = list(outcome.events)
+            if outcome.start_driver:
+                self.counters["driver_starts"] += 1
+                if self.auto_ready:
+                    events += self.core.driver_ready(sandbox, now)
+            tx.save({sandbox: self.core.snapshot(sandbox)}, events)
+        self._published(events)
+        state = self.core.state_of(sandbox)
+        assert state is not None
+        return state
+
+    async def wake(self, sandbox: str, wait: float) -> WakeAnswer:
+        """The gateway's wake: start it (coalesced by the core: the driver is asked once per idle/stopped
+        -> waking), then wait up to ``wait`` seconds for it to be active. A sandbox that leaves ``waking``
+        for anything but ``active`` had its start fail."""
+        state = self.start_wake(sandbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            if state is State.ACTIVE:
+                return WakeAnswer(state)
+            if state is not State.WAKING:
+                return WakeAnswer(state, failed=True)
+            left = deadline - loop.time()
+            if left <= 0:
+                return WakeAnswer(state)
+            changed = self._changed.setdefault(sandbox, asyncio.Event())
+            # A replica that shares the store may take the change: look at the row now and then too.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(left, 0.25) if self.store.shared else left)
+            row = self.route(sandbox)
+            if row is None:
+                raise UnknownSandbox(sandbox)
+            state = State(row.state)
+
+    def driver_report(self, sandbox: str, what: str) -> tuple[State, bool | None]:
+        """The driver's word (``POST /v1/sandboxes/{id}/driver``): ``stopping`` (answers whether to
+        proceed: the stop fence), ``stopped``, ``ready`` or ``failed``. Returns (state, proceed)."""
+        now = self.now()
+        proceed: bool | None = None
+        with self._transaction([sandbox]) as tx:
+            self._known(sandbox)
+            core = self.core
+            if what == "stopping":
+                stop = core.driver_stopping(sandbox, now)
+                events, proceed = stop.events, stop.proceed
+            elif what == "stopped":
+                wake = core.driver_stopped(sandbox, now)
+                events = list(wake.events)
+                if wake.start_driver:
+                    self.counters["driver_starts"] += 1
+                    if self.auto_ready:
+                        events += core.driver_ready(sandbox, now)
+            elif what == "ready":
+                events = core.driver_ready(sandbox, now)
+            elif what == "failed":
+                events = core.driver_failed(sandbox, now)
+            else:
+                raise ValueError(f"driver event {what!r}")
+            tx.save({sandbox: core.snapshot(sandbox)}, events)
+        self._published(events)
+        state = self.core.state_of(sandbox)
+        assert state is not None
+        return state, proceed
+
+    def _known(self, sandbox: str) -> None:
+        if sandbox not in self.core:
+            raise UnknownSandbox(sandbox)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def status(self) -> list[SandboxStatus]:
+        return self.core.status(self.now())
+
+    # -- idle timers ----------------------------------------------------------------------------
+
+    def fire_due(self) -> list[Event]:
+        """Take idle every sandbox whose period ran out: lock and re-read the due rows (another replica
+        may have seen traffic, or fired the timer already), then fire on what the store says."""
+        now = self.now()
+        due = self.core.due(now)
+        if not due:
+            return []
+        with self._transaction(due) as tx:
+            locked = set(due)
+            for _ in range(3):  # a re-read row can make another one due (rare); lock it too
+                more = [s for s in self.core.due(now) if s not in locked]
+                if not more:
+                    break
+                self._refresh(tx, more)
+                locked.update(more)
+            events = self.core.on_timer(now)
+            touched = {ev.sandbox for ev in events} | locked
+            tx.save({s: self.core.snapshot(s) for s in touched if s in self.core}, events)
+        self.counters["timer_fires"] += len(events)
+        self._published(events)
+        return events
+
+    def resync(self) -> None:
+        """Read every row again (a shared store: sandboxes another replica registered, changed or removed)."""
+        try:
+            self.feed.core = load_core(self.store)
+        except StoreError as e:
+            self.counters["store_errors"] += 1
+            log.warning("resync failed", extra={"event": "resync_failed", "reason": e.reason})
+            return
+        self.counters["resyncs"] += 1
+
+    def start(self) -> None:
+        self._timer_task = asyncio.create_task(self._timers(), name="scheduler-timers")
+
+    async def stop(self) -> None:
+        task, self._timer_task = self._timer_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _timers(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_resync = loop.time() + self.resync_s
+        while True:
+            try:
+                self.fire_due()
+            except Unavailable as e:
+                log.warning("idle timers: store unavailable", extra={"event": "timer_store_error",
+                                                                     "fields": {"error": str(e)}})
+                await asyncio.sleep(1.0)
+            if self.store.shared and loop.time() >= next_resync:
+                self.resync()
+                next_resync = loop.time() + self.resync_s
+            at = self.core.next_timer()
+            sleep = MAX_TIMER_SLEEP_S if at is None else min(MAX_TIMER_SLEEP_S, max(0.0, at - self.now()))
+            self._timer_kick.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._timer_kick.wait(), sleep)
