@@ -17,6 +17,7 @@ from sbxnet.errors import ConfigError
 COMMANDS: dict[str, tuple[str, str]] = {
     "forwarder": ("forwarder.ingress.cli", "run the ingress forwarder on a sandbox host"),
     "gateway": ("gateway.cli", "run the TLS front end: route each request to its sandbox over the forwarder link"),
+    "scheduler": ("scheduler.cli", "run the reference scheduler: routes, idle timers, holds, wakes (and `status`)"),
     "certs": ("certs.cli", "mint a CA, forwarder and gateway certificates; print SPKI pins"),
     "tap": ("forwarder.taps.cli", "set up or remove a VM tap: fixed MAC, permanent guest neighbour entry"),
     "demo": ("sbxnet.app.demo", "run the loopback demo: forwarder, sample sandbox app, gateway-like client"),

@@ -1,0 +1,104 @@
+"""The scheduler's one typed settings object, validated at start-up (env SBXNET_SCHEDULER_*, [scheduler])."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, FilePath, IPvAnyAddress, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from sbxnet.config import split_list
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class SchedulerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SBXNET_SCHEDULER_", extra="forbid", frozen=True)
+
+    listen_host: IPvAnyAddress = ipaddress.IPv4Address("127.0.0.1")
+    listen_port: int = Field(8700, ge=1, le=65535)
+    metrics_host: IPvAnyAddress = ipaddress.IPv4Address("127.0.0.1")
+    metrics_port: int = Field(9466, ge=0, le=65535, description="0 disables /metrics, /healthz, /readyz")
+
+    cert_file: FilePath = Field(description="the scheduler's server certificate")
+    key_file: FilePath
+    ca_file: FilePath = Field(description="CA that gateway and forwarder client certificates chain to")
+    gateway_san_allow: Annotated[list[str], NoDecode] = Field(
+        min_length=1, description="URI/DNS SANs of gateway certificates allowed route lookups and wakes"
+    )
+    forwarder_san_allow: Annotated[list[str], NoDecode] = Field(
+        min_length=1, description="URI/DNS SANs of forwarder certificates allowed to post the idle feed"
+    )
+    admin_token_sha256: str | None = Field(None, description="hex SHA-256 of the platform's bearer token")
+    admin_token_file: FilePath | None = Field(None, description="a file holding the token itself (one line)")
+
+    database: str = Field(
+        "sqlite:///var/lib/sbxnet/scheduler.db",
+        description="sqlite:///<absolute path> (one replica) or postgresql://... (replicas sharing it)",
+    )
+    webhook_url: str | None = Field(None, description="the platform's driver: idle and waking events POSTed here")
+    webhook_secret_file: FilePath | None = Field(None, description="HMAC-SHA256 key for X-Sbxnet-Signature")
+    webhook_ca_file: FilePath | None = Field(None, description="CA for an https webhook (default: the system's)")
+    route_cache_s: int = Field(2, ge=0, le=300, description="Cache-Control max-age of a route")
+    negative_cache_s: int = Field(1, ge=0, le=300, description="Cache-Control max-age of an unknown sandbox")
+    resync_s: float = Field(5.0, gt=0, le=300, description="shared store: re-read every row this often")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    _split = field_validator("gateway_san_allow", "forwarder_san_allow", mode="before")(split_list)
+
+    @field_validator("admin_token_sha256")
+    @classmethod
+    def _hash(cls, value: str | None) -> str | None:
+        if value is not None and not _HEX64.fullmatch(value):
+            raise ValueError("64 lower-case hex digits (sha256sum of the token)")
+        return value
+
+    @field_validator("database")
+    @classmethod
+    def _database(cls, value: str) -> str:
+        scheme = urlsplit(value).scheme
+        if scheme == "sqlite":
+            path = value.removeprefix("sqlite://")
+            if not path.startswith("/"):
+                raise ValueError("sqlite:///<absolute path to the database file>")
+        elif scheme not in ("postgresql", "postgres"):
+            raise ValueError("sqlite:///<path> or postgresql://user@host/db")
+        return value
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        u = urlsplit(value)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError("an http:// or https:// URL with a host")
+        return value
+
+    @model_validator(mode="after")
+    def _one_token(self) -> SchedulerSettings:
+        if (self.admin_token_sha256 is None) == (self.admin_token_file is None):
+            raise ValueError("set exactly one of admin_token_sha256 and admin_token_file")
+        return self
+
+    @property
+    def sqlite_path(self) -> Path | None:
+        return Path(self.database.removeprefix("sqlite://")) if self.database.startswith("sqlite:") else None
+
+    def admin_hash(self) -> str:
+        """The admin token's SHA-256 (read from the file if that is how it was given)."""
+        import hashlib
+
+        if self.admin_token_sha256 is not None:
+            return self.admin_token_sha256
+        assert self.admin_token_file is not None
+        token = self.admin_token_file.read_text().strip()
+        if not token:
+            from sbxnet.errors import ConfigError
+
+            raise ConfigError(f"config: admin_token_file {str(self.admin_token_file)!r} is empty")
+        return hashlib.sha256(token.encode()).hexdigest()
