@@ -1,25 +1,40 @@
 """One HTTP/2 client connection (ALPN ``h2``): every stream is a request, routed and proxied on its own.
 
 The h2 library keeps the connection's state (frames, HPACK, both flow-control windows); this module moves
-its bytes and turns each stream into one HTTP/1.1 exchange with the sandbox's app (h11 client side, one link
-to the forwarder per stream, opened only once the stream is admitted and closed when it ends).
+its bytes and carries each stream to the sandbox's app in the way the port's protocol says.
 
 Per stream, exactly as the HTTP/1.1 front decides a request (``http1.admit``): ``routing.request_target``
 with ``:authority`` and any Host (400; 421 for a stream whose authority names another sandbox or port than
 the connection's server name: browsers coalesce connections for every name a wildcard certificate covers,
 RFC 9113 9.1.1, and such a stream must never reach the connection's first sandbox), the route (404), a wake
-(503 with Retry-After), ``auth.authorize`` (401/403/redirect), then the link (502/503/504). The request goes
-upstream as ``:method :path HTTP/1.1`` with ``Host`` from the name, HTTP/2-only and hop-by-hop headers
-dropped, cookies joined, a body without Content-Length chunked. The response comes back as HEADERS and
-DATA; connection-specific response headers are dropped.
+(503 with Retry-After), ``auth.authorize`` (401/403/redirect), then the link (502/503/504).
+
+An ``http`` port: the stream becomes one HTTP/1.1 exchange (h11 client side, one link to the forwarder per
+stream, opened only once the stream is admitted and closed when it ends): ``:method :path HTTP/1.1`` with
+``Host`` from the name, HTTP/2-only and hop-by-hop headers dropped, cookies joined, a body without
+Content-Length chunked. The response comes back as HEADERS and DATA; connection-specific response headers
+are dropped.
+
+An ``h2c`` port (gRPC): the stream becomes a stream of an HTTP/2 connection to the app
+(``h2c_upstream.py``: prior knowledge over the link). One such connection per (sandbox, port, route) per
+client connection, opened by the first stream that needs it (with the link's usual retries, and one slot
+of the sandbox's connection limit), shared by the later ones (a gRPC channel's calls ride one link), closed
+with the client connection; one the app ends (GOAWAY, close) is replaced for the next stream. The head goes
+on with ``:authority`` the routed name, ``:scheme`` https, the token removed and X-Forwarded-* set (the same
+``auth.authorize`` output), connection-specific headers dropped and ``te: trailers`` kept. Informational
+heads, the head (END_STREAM on it kept: a gRPC trailers-only answer), DATA and trailers come back as they
+came; RST_STREAM passes both ways with its code; a stream the app's GOAWAY refused is reset
+REFUSED_STREAM (the client may retry it). Before the response head, a link or app failure is answered
+502/503/504 like any route (gRPC clients read those as UNAVAILABLE, 401/403 as UNAUTHENTICATED and
+PERMISSION_DENIED); after it, the stream is reset INTERNAL_ERROR.
 
 Bodies stream both ways, never buffered whole: received DATA is acknowledged (``acknowledge_received_data``)
-only once written upstream, so the client's window is the backpressure; response DATA is sent no faster
-than the client's stream and connection windows allow (a stream waits for WINDOW_UPDATE). A stream that
-fails is reset (or answered 502 before its response began); the other streams go on. Not served: h2c to the
-app (a port whose protocol is ``h2c`` is spoken to in HTTP/1.1 like any other), extended CONNECT
-(WebSockets over HTTP/2: the SETTINGS_ENABLE_CONNECT_PROTOCOL setting is not sent, so clients use
-HTTP/1.1 for them), server push.
+only once written upstream (over h2c: once the app's window took it), so the client's window is the
+backpressure; response DATA is sent no faster than the client's stream and connection windows allow (a
+stream waits for WINDOW_UPDATE), and an h2c app's DATA is acknowledged to it only once sent to the client.
+A stream that fails is reset (or answered 502 before its response began); the other streams go on. Not
+served: extended CONNECT (WebSockets over HTTP/2: the SETTINGS_ENABLE_CONNECT_PROTOCOL setting is not sent,
+so clients use HTTP/1.1 for them), server push.
 """
 
 from __future__ import annotations
@@ -39,8 +54,10 @@ import h2.exceptions
 import h2.settings
 import h11
 
+from gateway import h2c_upstream as h2c
 from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, admit
 from gateway.names import Name
+from gateway.routing import Forward
 from gateway.upstream import UpstreamFailed
 from sbxnet.tls_stream import TlsStream
 
@@ -71,6 +88,20 @@ class _Stream:
     task: asyncio.Task[None] | None = None
     done: bool = False  # the handler finished: later DATA is acknowledged and dropped
     chunked: bool = False  # the request goes upstream chunked (it had no Content-Length)
+    reset_code: int | None = None  # the client's RST_STREAM code, passed on to an h2c app
+
+
+class _SandboxFull(Exception):
+    pass
+
+
+@dataclass
+class _H2cLink:
+    """One h2c connection to a sandbox's port, shared by the client connection's streams for it."""
+
+    sandbox: str  # whose connection slot it holds ("" once given back, or when it holds none)
+    opening: asyncio.Task[h2c.H2cConnection] | None = None
+    conn: h2c.H2cConnection | None = None
 
 
 class H2Session:
@@ -90,6 +121,8 @@ class H2Session:
         self.streams: dict[int, _Stream] = {}
         self._write_lock = asyncio.Lock()
         self._gone = False
+        self._h2c: dict[tuple[object, ...], _H2cLink] = {}  # the usable ones, by route and port
+        self._h2c_all: list[_H2cLink] = []  # every one opened, closed when the client connection ends
 
     # -- the connection ----------------------------------------------------------------------------
 
@@ -157,6 +190,7 @@ class H2Session:
             tasks = [st.task for st in self.streams.values() if st.task is not None]
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            await self._close_h2c()
 
     def _active(self) -> bool:
         return any(not st.done for st in self.streams.values())
@@ -191,6 +225,7 @@ class H2Session:
         elif isinstance(ev, h2.events.StreamReset):
             st = self.streams.get(ev.stream_id)
             if st is not None and st.task is not None and not st.done:
+                st.reset_code = int(ev.error_code)
                 st.task.cancel()
         elif isinstance(ev, h2.events.WindowUpdated):
             if ev.stream_id == 0:
@@ -229,7 +264,7 @@ class H2Session:
                     self._ack(item[1], st.id)
             self.streams.pop(st.id, None)
 
-    def _reset(self, st: _Stream, code: h2.errors.ErrorCodes) -> None:
+    def _reset(self, st: _Stream, code: h2.errors.ErrorCodes | int) -> None:
         with contextlib.suppress(h2.exceptions.ProtocolError, KeyError):
             self.h2.reset_stream(st.id, error_code=code)
 
@@ -250,7 +285,10 @@ class H2Session:
         if isinstance(d, Refusal):
             await self.answer(st, d.status, d.message, d.headers, reason=d.reason)
             return
-        await self._proxy(st, method, d)
+        if d.fwd.protocol == "h2c":
+            await self._proxy_h2c(st, method, d)
+        else:
+            await self._proxy(st, method, d)
 
     async def answer(self, st: _Stream, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None,
                      *, reason: str = "") -> None:
@@ -393,6 +431,194 @@ class H2Session:
                 await stream.write(conn.send(h11.EndOfMessage()))
                 return
 
+    # -- h2c: HTTP/2 to the app ---------------------------------------------------------------------
+
+    async def _h2c_conn(self, fwd: Forward) -> h2c.H2cConnection:
+        """The connection this stream's sandbox port is spoken to on: opened by the first stream that
+        needs it (a slot of the sandbox's connection limit, then the link with its retries), shared by
+        the later ones while it is usable. Streams arriving while it opens wait for the same attempt."""
+        r = fwd.route
+        key = (fwd.sandbox, fwd.port, r.incarnation, r.forwarder, r.target_ip)
+        link = self._h2c.get(key)
+        if link is not None and link.conn is not None and not link.conn.usable:
+            self._drop_h2c(link)  # a GOAWAY came: its reader is about to close it
+            link = None
+        if link is None:
+            self._h2c_all = [x for x in self._h2c_all if not (x.conn is not None and x.conn.closed)]
+            link = _H2cLink(fwd.sandbox)
+            link.opening = asyncio.create_task(self._open_h2c(fwd, link))
+            self._h2c[key] = link
+            self._h2c_all.append(link)
+
+            def opened(task: asyncio.Task[h2c.H2cConnection], link: _H2cLink = link) -> None:
+                if task.cancelled() or task.exception() is not None or (link.conn and link.conn.dead):
+                    self._drop_h2c(link)
+
+            link.opening.add_done_callback(opened)
+        assert link.opening is not None
+        return await asyncio.shield(link.opening)
+
+    async def _open_h2c(self, fwd: Forward, link: _H2cLink) -> h2c.H2cConnection:
+        if not self.gw.take_sandbox_slot(fwd.sandbox):
+            link.sandbox = ""  # no slot to give back
+            raise _SandboxFull()
+        try:
+            up = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
+        except BaseException:
+            self.gw.release_sandbox_slot(fwd.sandbox)
+            link.sandbox = ""
+            raise
+        conn = h2c.H2cConnection(up.stream, up.leftover, on_dead=lambda _c: self._drop_h2c(link))
+        link.conn = conn
+        try:
+            await conn.start()
+        except h2c.H2cUnusable:
+            pass  # it is dead already: its streams will be told
+        return conn
+
+    def _drop_h2c(self, link: _H2cLink) -> None:
+        """The link is gone (or never came): no new stream goes to it; its sandbox slot is given back."""
+        for k, v in list(self._h2c.items()):
+            if v is link:
+                del self._h2c[k]
+        if link.sandbox and link.opening is not None and link.opening.done():
+            self.gw.release_sandbox_slot(link.sandbox)
+            link.sandbox = ""  # released once
+
+    async def _close_h2c(self) -> None:
+        links, self._h2c_all = self._h2c_all, []
+        self._h2c.clear()
+        for link in links:
+            if link.opening is not None:
+                link.opening.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await link.opening
+            if link.conn is not None:
+                await link.conn.close()
+            self._drop_h2c(link)
+
+    async def _proxy_h2c(self, st: _Stream, method: bytes, d: Admitted) -> None:
+        fwd = d.fwd
+        headers = _h2c_request_headers(method, d.allow.target, d.host, d.allow.headers)
+        up: h2c.H2cStream | None = None
+        for _ in range(2):  # a connection found dead before this stream's head went out: once more, fresh
+            try:
+                conn = await self._h2c_conn(fwd)
+            except UpstreamFailed as e:
+                self.gw.invalidate(fwd.sandbox)
+                extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
+                await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
+                return
+            except _SandboxFull:
+                await self.answer(st, 503, "too many connections to this sandbox", [(b"retry-after", b"1")],
+                                  reason="sandbox_connection_limit")
+                return
+            if not conn.usable:
+                continue
+            try:
+                up = await conn.open_stream(headers, end_stream=st.ended)
+            except h2c.H2cUnusable:
+                break
+            break
+        if up is None:
+            await self.answer(st, 502, "the sandbox's app broke the connection", reason="upstream_broken")
+            return
+        try:
+            await self._exchange_h2c(st, up)
+        finally:
+            # Still open toward the app (the client reset it, or left): pass the reset on, the client's code
+            # if it gave one. A stream already closed both ways is left alone.
+            up.reset(st.reset_code if st.reset_code is not None else h2.errors.ErrorCodes.CANCEL)
+            up.close()
+
+    async def _exchange_h2c(self, st: _Stream, up: h2c.H2cStream) -> None:
+        started = time.monotonic()
+        pump = asyncio.create_task(self._pump_h2c_body(st, up))
+        responded = False
+        try:
+            while True:
+                ev = await up.next()
+                if isinstance(ev, h2c.Head):
+                    status = _status(ev.headers)
+                    if ev.informational:
+                        if status != b"101":  # 101 has no meaning in HTTP/2; h2 lets any 1xx through
+                            self.h2.send_headers(st.id, _h2_response_headers(ev.headers))
+                            await self._flush()
+                        continue
+                    self.h2.send_headers(st.id, _h2_response_headers(ev.headers), end_stream=ev.ended)
+                    responded = True
+                    await self._flush()
+                    self.gw.metrics.first_byte.observe(time.monotonic() - started)
+                    self.gw.metrics.requests.labels("http2", status.decode("ascii", "replace")).inc()
+                    if ev.ended:
+                        break
+                elif isinstance(ev, h2c.Data):
+                    await self._send_data(st, ev.data)
+                    await up.ack(ev.flow)  # passed on: the app may send that much more
+                elif isinstance(ev, h2c.Trailers):
+                    trailers = _h2_response_headers(ev.headers)
+                    if trailers:
+                        self.h2.send_headers(st.id, trailers, end_stream=True)
+                        await self._flush()
+                    else:
+                        await self._send_data(st, b"", end=True)
+                    break
+                elif isinstance(ev, h2c.End):
+                    await self._send_data(st, b"", end=True)
+                    break
+                elif isinstance(ev, h2c.Reset):
+                    log.debug("stream %d reset by the app (%d)", st.id, ev.code)
+                    self._reset(st, _error_code(ev.code))
+                    await self._flush()
+                    return
+                else:  # Broken
+                    log.debug("stream %d: h2c link ended (%s)", st.id, ev.reason)
+                    if ev.refused:
+                        # The app's GOAWAY says it never saw the stream: the client may safely retry it.
+                        self._reset(st, h2.errors.ErrorCodes.REFUSED_STREAM)
+                        await self._flush()
+                    elif responded:
+                        self._reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
+                        await self._flush()
+                    else:
+                        await self.answer(st, 502, "the sandbox's app broke the connection", reason="upstream_broken")
+                    return
+        finally:
+            if not pump.done():
+                pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump
+        if not st.done and self._remote_open(st):
+            # The response is whole but the client is still sending: it need not (RFC 9113 8.1); nor the app.
+            self._reset(st, h2.errors.ErrorCodes.NO_ERROR)
+            await self._flush()
+            up.reset(h2.errors.ErrorCodes.NO_ERROR)
+
+    async def _pump_h2c_body(self, st: _Stream, up: h2c.H2cStream) -> None:
+        """The client's DATA to the app, each piece acknowledged to the client only once the app's window
+        took it: the app's window is the client's backpressure."""
+        if st.ended:
+            return
+        while True:
+            item = await st.body.get()
+            if isinstance(item, tuple):
+                data, length = item
+                try:
+                    if data:
+                        await up.send_data(data)
+                finally:
+                    self._ack(length, st.id)
+                await self._flush()
+            elif isinstance(item, list):
+                trailers = _h2_trailers(item)
+                if trailers:
+                    await up.send_trailers(trailers)
+                else:
+                    await up.end()
+                return
+            else:
+                await up.end()
+                return
 
 def _regular_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The request's headers without pseudo-headers, cookies joined into one (RFC 9113 8.2.3)."""
@@ -413,3 +639,50 @@ def _regular_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 def _response_headers(headers: Any) -> list[tuple[bytes, bytes]]:
     tokens = {t.strip().lower() for n, v in headers if n == b"connection" for t in v.split(b",")}
     return [(n, v) for n, v in headers if n not in _RESPONSE_DROP and n not in tokens]
+
+
+# Connection-specific headers (RFC 9113 8.2.2) and what the gateway keeps for itself: never sent on to the app
+# over h2c. ``te`` is handled on its own: only ``trailers`` passes (gRPC sends it, and servers may insist).
+_H2C_REQUEST_DROP = HOP_BY_HOP | {b"transfer-encoding", b"host"}
+
+
+def _h2c_request_headers(method: bytes, path: bytes, authority: str,
+                         headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The request head for an h2c app: ``:scheme`` stays ``https`` (the URI the client asked for;
+    X-Forwarded-Proto says so too), ``:authority`` is the routed name (as Host is over HTTP/1.1), then
+    ``headers`` as ``auth.authorize`` left them (token gone, X-Forwarded-* set) without Host and
+    connection-specific headers."""
+    out = [(b":method", method), (b":scheme", b"https"), (b":authority", authority.encode("ascii")),
+           (b":path", path)]
+    for n, v in headers:
+        low = n.lower()
+        if low == b"te":
+            if v.strip().lower() == b"trailers":
+                out.append((b"te", b"trailers"))
+            continue
+        if low in _H2C_REQUEST_DROP or low.startswith(b":"):
+            continue
+        out.append((low, v))
+    return out
+
+
+def _h2_trailers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Request trailers for the app: no pseudo-headers, nothing connection-specific."""
+    return [(n, v) for n, v in headers if not n.startswith(b":") and n not in _H2C_REQUEST_DROP and n != b"te"]
+
+
+def _h2_response_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """An h2c app's head or trailers for the client: as they came (h2 has checked them), minus
+    connection-specific headers."""
+    return [(n, v) for n, v in headers if n not in _RESPONSE_DROP]
+
+
+def _status(headers: list[tuple[bytes, bytes]]) -> bytes:
+    return next((v for n, v in headers if n == b":status"), b"")
+
+
+def _error_code(code: int) -> h2.errors.ErrorCodes | int:
+    try:
+        return h2.errors.ErrorCodes(code)
+    except ValueError:
+        return code  # an unknown code passes as it came (RFC 9113 7: unknown codes are not errors)
