@@ -1,0 +1,395 @@
+"""The scheduler's shared store (``scheduler/store.py``'s ``Store``) on PostgreSQL, for replicas that share
+state: psycopg 3, its synchronous API, one connection per store object (one owner; not for two threads).
+
+Transactions and isolation: READ COMMITTED, autocommit off, and explicit row locks. Every write
+transaction locks what it will change before reading it (``Tx.lock``: ``SELECT ... FOR UPDATE`` of the
+sandboxes in ID order; ``Tx.ledger``: ``FOR UPDATE`` of the identity's ledger row), and under READ
+COMMITTED a ``FOR UPDATE`` that waited for another transaction returns the row as that one committed it,
+so the caller restores the latest state into its core and loses nobody's update. A stricter level would
+add nothing here and cost retries: under REPEATABLE READ or SERIALIZABLE the same lock on a row another
+replica just changed raises a serialization failure instead of waiting and reading the new version, and
+every caller would have to loop. Locks are taken in one order (the ledger row, then sandboxes by ID,
+then the events table) so replicas queue rather than deadlock. What no row lock covers is guarded by the
+statements themselves:
+
+- The ledger claim is one conditional statement (``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` the stored
+  record is none or of an older epoch, or ``UPDATE ... WHERE`` it is the same epoch at ``seq - 1``); a
+  rowcount other than 1 is ``LedgerConflict``. It matters when two replicas both find no record and both
+  claim seq 1: the second waits for the first's insert, then finds the row and writes nothing.
+- Event ids come from an identity column, and ids are handed out when inserted, not when committed: two
+  transactions could commit ids 11 then 10, and an SSE reader resuming after 11 would miss 10. A
+  transaction that inserts events first locks the events table against other inserters (``SHARE ROW
+  EXCLUSIVE``, which readers do not wait on) until it commits, so ids become visible in order. Event
+  writes are state changes (a batch that only moves bytes makes none), so the queue is short.
+- ``claim_webhooks`` takes its rows ``FOR UPDATE SKIP LOCKED``: two replicas claiming at once take
+  different events and neither waits.
+
+A lock wait is bounded (``lock_timeout_s``, raised as ``StoreError`` ``pg_lock_timeout``), and a session
+that stays idle inside a transaction is ended by the server after a minute, so a replica that hangs
+holding locks does not stop the others for long.
+
+Errors: every ``psycopg.Error`` rolls the transaction back and is raised as ``StoreError``: the server
+unreachable or the connection lost is ``pg_unavailable`` (the connection is dropped, and the next
+transaction connects again, so the store is usable once the server is back), a deadlock ``pg_deadlock``,
+anything else ``pg`` with its SQLSTATE. A commit whose connection is lost raises ``pg_unavailable`` with
+its outcome unknown: a feed batch it carried may have been stored, which the forwarder's resend then
+meets as a duplicate.
+
+Schema: the same tables as SQLite's (``scheduler/sqlite_store.py``) with PostgreSQL types (BIGINT,
+DOUBLE PRECISION, BOOLEAN, an IDENTITY id), created when absent in the connection's ``search_path``
+schema under an advisory lock (replicas may start together), with its version in ``schema_version``;
+another version is refused. The registration is TEXT, ``push_registration``'s JSON as it was written
+(the scheduler reads it back whole and never queries into it, so JSONB would only re-encode it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from sbxnet.errors import LocalProtocolError
+from sbxnet.protocol.feed import Batch, epoch_start_ns
+from sbxnet.protocol.routes import Registration, push_registration
+from scheduler.feed_ledger import Decision, Stored
+from scheduler.store import (
+    STATE_COLUMNS,
+    WEBHOOK_DONE,
+    WEBHOOK_DUE,
+    LedgerConflict,
+    OneShotWrites,
+    RegistrationCache,
+    StoredEvent,
+    StoredSandbox,
+    StoreError,
+    check_apply,
+    check_lease,
+    event_of,
+    event_row,
+    state_of,
+    state_row,
+)
+from scheduler.timers import Event, SandboxState
+
+SCHEMA_VERSION = 1
+_SCHEMA_LOCK = 0x5B8E_5C4E_0001  # pg_advisory_xact_lock key while the schema is checked or created
+
+_SCHEMA = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE sandboxes (
+    sandbox TEXT PRIMARY KEY,
+    incarnation TEXT NOT NULL,
+    registration TEXT NOT NULL,
+    registered_at DOUBLE PRECISION NOT NULL,
+    state TEXT NOT NULL,
+    active_since DOUBLE PRECISION NOT NULL,
+    last_activity DOUBLE PRECISION,
+    bytes_in BIGINT NOT NULL,
+    bytes_out BIGINT NOT NULL,
+    open_connections BIGINT NOT NULL,
+    hold_until DOUBLE PRECISION,
+    stopped_at DOUBLE PRECISION,
+    wake_from TEXT,
+    fenced BOOLEAN NOT NULL
+);
+CREATE TABLE feed_ledger (
+    identity TEXT PRIMARY KEY,
+    epoch TEXT NOT NULL,
+    epoch_ns BIGINT NOT NULL,
+    last_seq BIGINT NOT NULL
+);
+CREATE TABLE events (
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    sandbox TEXT NOT NULL,
+    incarnation TEXT NOT NULL,
+    from_state TEXT,
+    to_state TEXT NOT NULL,
+    at DOUBLE PRECISION NOT NULL,
+    why TEXT NOT NULL,
+    webhook SMALLINT NOT NULL,
+    claimed_by TEXT,
+    claimed_until DOUBLE PRECISION
+);
+CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
+"""
+
+_ROW_COLS = f"sandbox, registration, registered_at, {', '.join(STATE_COLUMNS)}"
+_LOCK = f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox = ANY(%s) ORDER BY sandbox FOR UPDATE"
+_PUT = (
+    f"INSERT INTO sandboxes (sandbox, incarnation, registration, registered_at, {', '.join(STATE_COLUMNS)}) "
+    f"VALUES ({', '.join(['%s'] * (4 + len(STATE_COLUMNS)))}) ON CONFLICT (sandbox) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in ("incarnation", "registration", "registered_at", *STATE_COLUMNS))
+)
+# One statement for a whole batch's states: a column per array, matched to the rows by sandbox.
+_STATE_TYPES = ("text", "float8", "float8", "int8", "int8", "int8", "float8", "float8", "text", "bool")
+_SAVE = (
+    f"UPDATE sandboxes AS s SET {', '.join(f'{c} = v.{c}' for c in STATE_COLUMNS)} "
+    f"FROM unnest(%s::text[], {', '.join(f'%s::{t}[]' for t in _STATE_TYPES)}) "
+    f"AS v(sandbox, {', '.join(STATE_COLUMNS)}) WHERE s.sandbox = v.sandbox"
+)
+_INSERT_EVENT = (
+    "INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id"
+)
+_EVENT_COLS = "id, sandbox, incarnation, from_state, to_state, at, why"
+_CLAIM_FIRST = (  # an epoch's first batch: no record, or one of an older epoch
+    "INSERT INTO feed_ledger (identity, epoch, epoch_ns, last_seq) VALUES (%s, %s, %s, 1) "
+    "ON CONFLICT (identity) DO UPDATE SET epoch = excluded.epoch, epoch_ns = excluded.epoch_ns, last_seq = 1 "
+    "WHERE feed_ledger.epoch_ns < excluded.epoch_ns"
+)
+_CLAIM_NEXT = "UPDATE feed_ledger SET last_seq = %s WHERE identity = %s AND epoch = %s AND last_seq = %s"
+_CLAIM_WEBHOOKS = (
+    "UPDATE events SET claimed_by = %s, claimed_until = %s WHERE id IN ("
+    f"SELECT id FROM events WHERE webhook = {WEBHOOK_DUE} "
+    "AND (claimed_by IS NULL OR claimed_by = %s OR claimed_until <= %s) "
+    "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED"
+    f") RETURNING {_EVENT_COLS}"
+)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class PgTx:
+    """``Tx`` on the store's connection; unusable once the transaction ends."""
+
+    def __init__(self, store: PgStore, conn: psycopg.Connection[Any]) -> None:
+        self._store = store
+        self._conn: psycopg.Connection[Any] | None = conn
+        self._events_locked = False
+
+    def _c(self) -> psycopg.Connection[Any]:
+        if self._conn is None:
+            raise LocalProtocolError("tx_closed", "the transaction has ended")
+        return self._conn
+
+    def end(self) -> None:
+        self._conn = None
+
+    def execute(self, sql: str, args: Sequence[object] = ()) -> psycopg.Cursor[Any]:
+        return self._c().execute(sql, args)
+
+    def lock(self, sandboxes: Collection[str]) -> dict[str, StoredSandbox]:
+        ids = list(dict.fromkeys(sandboxes))
+        if not ids:
+            return {}
+        out = {}
+        for row in self.execute(_LOCK, (ids,)).fetchall():
+            s = self._store._sandbox_of(row)
+            out[s.sandbox] = s
+        for sid in ids:
+            if sid not in out:
+                self._store._regs.forget(sid)
+        return out
+
+    def ledger(self, identity: str) -> Stored | None:
+        sql = "SELECT epoch, last_seq FROM feed_ledger WHERE identity = %s FOR UPDATE"
+        row = self.execute(sql, (identity,)).fetchone()
+        return None if row is None else Stored(str(row[0]), int(row[1]))
+
+    def put_registration(
+        self, sandbox: str, registration: Registration, registered_at: float, state: SandboxState,
+        events: Sequence[Event],
+    ) -> list[int]:
+        body = push_registration(registration).decode()
+        self.execute(_PUT, (sandbox, registration.incarnation, body, registered_at, *state_row(state)))
+        return self._insert_events(events)
+
+    def remove_registration(self, sandbox: str) -> bool:
+        self._store._regs.forget(sandbox)
+        return self.execute("DELETE FROM sandboxes WHERE sandbox = %s", (sandbox,)).rowcount > 0
+
+    def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
+        if updates:
+            columns: list[list[object]] = [list(updates)]
+            columns += [list(c) for c in zip(*(state_row(st) for st in updates.values()), strict=True)]
+            self.execute(_SAVE, columns)
+        return self._insert_events(events)
+
+    def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
+        rec = check_apply(batch, decision)
+        if rec.last_seq == 1:
+            cur = self.execute(_CLAIM_FIRST, (identity, rec.epoch, epoch_start_ns(rec.epoch)))
+        else:
+            cur = self.execute(_CLAIM_NEXT, (rec.last_seq, identity, rec.epoch, rec.last_seq - 1))
+        if cur.rowcount != 1:
+            raise LedgerConflict(identity)
+
+    def _insert_events(self, events: Sequence[Event]) -> list[int]:
+        if not events:
+            return []
+        if not self._events_locked:
+            # Ids visible in commit order (the module docstring): held until this transaction ends.
+            self.execute("LOCK TABLE events IN SHARE ROW EXCLUSIVE MODE")
+            self._events_locked = True
+        ids = []
+        for ev in events:
+            row = self.execute(_INSERT_EVENT, event_row(ev)).fetchone()
+            assert row is not None
+            ids.append(int(row[0]))
+        return ids
+
+
+class PgStore(OneShotWrites):
+    """``Store`` on a PostgreSQL database (``dsn``: a libpq connection string or URI). Connects at once and
+    checks or creates the schema (``StoreError`` if it cannot); reconnects on the next transaction after
+    the connection was lost."""
+
+    shared = True
+
+    def __init__(self, dsn: str, *, connect_timeout_s: float = 5.0, lock_timeout_s: float = 10.0) -> None:
+        if not (math.isfinite(connect_timeout_s) and connect_timeout_s > 0):
+            raise LocalProtocolError("bad_config", "connect_timeout_s must be positive")
+        if not (math.isfinite(lock_timeout_s) and lock_timeout_s > 0):
+            raise LocalProtocolError("bad_config", "lock_timeout_s must be positive")
+        self.dsn = dsn
+        self.connect_timeout_s = connect_timeout_s
+        self.lock_timeout_s = lock_timeout_s
+        self._conn: psycopg.Connection[Any] | None = None
+        self._tx: PgTx | None = None
+        self._regs = RegistrationCache()
+        self.reconnects = 0  # connections made after the first (for metrics)
+        self._create()
+
+    # -- the connection -------------------------------------------------------------------------
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn
+        if conn is not None:
+            self.reconnects += 1
+        self._conn = None
+        try:
+            # libpq's connect_timeout is whole seconds, at least 2.
+            timeout = max(2, math.ceil(self.connect_timeout_s))
+            conn = psycopg.connect(self.dsn, autocommit=False, connect_timeout=timeout)
+        except psycopg.Error as e:
+            raise StoreError("pg_unavailable", f"cannot connect: {_first_line(e)}") from None
+        try:
+            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            conn.execute(f"SET lock_timeout = {int(self.lock_timeout_s * 1000)}")
+            conn.execute("SET idle_in_transaction_session_timeout = 60000")
+            conn.commit()
+        except psycopg.Error as e:
+            conn.close()
+            raise StoreError("pg_unavailable", f"cannot set up the session: {_first_line(e)}") from None
+        self._conn = conn
+        return conn
+
+    def _error(self, conn: psycopg.Connection[Any], e: psycopg.Error) -> StoreError:
+        # Connection failures (class 08) and the server going away (57: shutdown, terminated) included:
+        # the session is gone even when psycopg has not noticed the socket closing yet.
+        if conn.closed or conn.broken or (e.sqlstate or "").startswith(("08", "57")):
+            return StoreError("pg_unavailable", f"connection lost: {_first_line(e)}")
+        if isinstance(e, pg_errors.LockNotAvailable):
+            return StoreError("pg_lock_timeout", _first_line(e))
+        if isinstance(e, pg_errors.DeadlockDetected):
+            return StoreError("pg_deadlock", _first_line(e))
+        return StoreError("pg", f"{e.sqlstate or type(e).__name__}: {_first_line(e)}")
+
+    def _rollback(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            conn.close()  # a broken connection: the server rolls back what was not committed on its own
+
+    # -- transactions ---------------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[PgTx]:
+        if self._tx is not None:
+            raise LocalProtocolError("nested_transaction", "this store already has a transaction open")
+        conn = self._connection()
+        tx = self._tx = PgTx(self, conn)
+        try:
+            yield tx
+            conn.commit()
+        except psycopg.Error as e:
+            err = self._error(conn, e)
+            self._rollback(conn)
+            raise err from e
+        except BaseException:
+            self._rollback(conn)
+            raise
+        finally:
+            tx.end()
+            self._tx = None
+
+    def _read(self, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        if self._tx is not None:  # inside the caller's transaction: part of it
+            return self._tx.execute(sql, args).fetchall()
+        with self.transaction() as tx:
+            return tx.execute(sql, args).fetchall()
+
+    def _create(self) -> None:
+        with self.transaction() as tx:
+            tx.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            row = tx.execute("SELECT to_regclass('schema_version')").fetchone()
+            if row is None or row[0] is None:
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        tx.execute(stmt)
+                tx.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
+                return
+            rows = tx.execute("SELECT version FROM schema_version").fetchall()
+            if [tuple(r) for r in rows] != [(SCHEMA_VERSION,)]:
+                found = [r[0] for r in rows]
+                raise StoreError("schema_version", f"the database has {found}, this build knows {SCHEMA_VERSION}")
+
+    def _sandbox_of(self, row: Sequence[Any]) -> StoredSandbox:
+        sandbox, body, registered_at = str(row[0]), str(row[1]), row[2]
+        return StoredSandbox(sandbox, self._regs.get(sandbox, body), float(registered_at), state_of(row[3:]))
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def sandboxes(self) -> list[StoredSandbox]:
+        out = [self._sandbox_of(r) for r in self._read(f"SELECT {_ROW_COLS} FROM sandboxes ORDER BY sandbox")]
+        self._regs.keep_only({s.sandbox for s in out})
+        return out
+
+    def ledger(self, identity: str) -> Stored | None:
+        rows = self._read("SELECT epoch, last_seq FROM feed_ledger WHERE identity = %s", (identity,))
+        return Stored(str(rows[0][0]), int(rows[0][1])) if rows else None
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def events_after(self, after_id: int, limit: int = 1000) -> list[StoredEvent]:
+        rows = self._read(f"SELECT {_EVENT_COLS} FROM events WHERE id > %s ORDER BY id LIMIT %s", (after_id, limit))
+        return [event_of(r) for r in rows]
+
+    def undelivered_webhooks(self, limit: int = 100) -> list[StoredEvent]:
+        rows = self._read(
+            f"SELECT {_EVENT_COLS} FROM events WHERE webhook = {WEBHOOK_DUE} ORDER BY id LIMIT %s", (limit,)
+        )
+        return [event_of(r) for r in rows]
+
+    def claim_webhooks(self, owner: str, now: float, lease_s: float, limit: int = 100) -> list[StoredEvent]:
+        check_lease(lease_s, limit)
+        with self.transaction() as tx:
+            rows = tx.execute(_CLAIM_WEBHOOKS, (owner, now + lease_s, owner, now, limit)).fetchall()
+        return sorted((event_of(r) for r in rows), key=lambda e: e.id)
+
+    def mark_delivered(self, event_ids: Sequence[int]) -> None:
+        with self.transaction() as tx:
+            tx.execute(
+                f"UPDATE events SET webhook = {WEBHOOK_DONE} WHERE id = ANY(%s) AND webhook = {WEBHOOK_DUE}",
+                (list(event_ids),),
+            )
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> PgStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
