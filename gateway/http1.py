@@ -29,6 +29,7 @@ import h11
 
 from gateway.auth import Allow, Deny, Redirect, authorize
 from gateway.names import Name
+from gateway.route_source import RouteLookupFailed
 from gateway.routing import Answer, Forward, decide_http, request_target
 from gateway.upstream import Upstream, UpstreamFailed
 from sbxnet.tls_stream import TlsStream
@@ -75,6 +76,12 @@ class Admitted:
     host: str  # the Host to send upstream
 
 
+# The scheduler could not be asked (down, timed out, a bad answer): nothing is cached, the client retries.
+def _no_route_service() -> Refusal:
+    return Refusal(503, "the route service is unavailable: try again shortly", [(b"retry-after", b"1")],
+                   "route_lookup_failed")
+
+
 async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: bytes, hosts: list[bytes],
                 headers: list[tuple[bytes, bytes]], authority: bytes | None = None, http2: bool = False,
                 http10: bool = False) -> Admitted | Refusal:
@@ -87,13 +94,19 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: byte
     if isinstance(t, Answer):
         return Refusal(t.status, t.message, [], t.reason, close=t.status == 400)
     name = t
-    route = await gw.route(name.sandbox)
+    try:
+        route = await gw.route(name.sandbox)
+    except RouteLookupFailed:
+        return _no_route_service()
     decision = decide_http(name, route)
     if isinstance(decision, Answer):
         return Refusal(decision.status, decision.message, [], decision.reason)
     fwd = decision
     if fwd.route.state != "active":
-        woken = await gw.wake(name.sandbox)
+        try:
+            woken = await gw.wake(name.sandbox)
+        except RouteLookupFailed:
+            return _no_route_service()
         if woken is None:
             return Refusal(503, "the sandbox is starting: try again shortly", [(b"retry-after", b"1")],
                            "wake_pending")

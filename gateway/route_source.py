@@ -3,7 +3,7 @@
 ``RouteSource`` is what the rest of the gateway calls. ``StaticRoutes`` serves routes from a JSON file of
 registrations (``{"sandboxes": {"<id>": <registration as PUT /v1/sandboxes/<id> takes it>}}``), every
 sandbox always active: for a fixed fleet, and for running the gateway before a scheduler exists. The
-scheduler's client implements the same two calls over HTTP.
+scheduler's client (``scheduler_routes.SchedulerRoutes``) implements the same two calls over HTTP.
 
 ``Waker`` coalesces wakes: one call to the source per sandbox however many requests wait, the waiters
 bounded per sandbox (past the bound a request is answered 503 at once rather than queued without limit).
@@ -28,12 +28,19 @@ class Lookup:
     ttl: float  # how long the answer may be cached (the scheduler's Cache-Control max-age)
 
 
+class RouteLookupFailed(EnvironmentFault):
+    """The source could not answer (the scheduler down, a time-out, an answer that does not decode): the
+    gateway answers 503 with Retry-After and caches nothing."""
+
+
 class RouteSource(Protocol):
     async def lookup(self, sandbox: str) -> Lookup: ...
 
     async def wake(self, sandbox: str, wait: float) -> str:
         """Ask for ``sandbox`` to run; returns its state when answered ("active" once it runs)."""
         ...
+
+    # Both may raise RouteLookupFailed.
 
 
 class StaticRoutes:
