@@ -24,8 +24,8 @@ import ipaddress
 import random
 import socket
 import ssl
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 from certs.loader import PinMismatch, check_pin
 from sbxnet.backoff import BACKOFF_CAP_S, BACKOFF_INITIAL_S, SYN_INTERVAL_S, backoff_delays
@@ -84,10 +84,19 @@ class _Retry(Exception):
         self.reason = reason
 
 
+Recheck = Callable[[], Awaitable[Route | None]]
+
+
 async def open_upstream(
-    route: Route, port: int, preamble: Preamble, policy: UpstreamPolicy, *, rng: random.Random | None = None
+    route: Route, port: int, preamble: Preamble, policy: UpstreamPolicy, *, rng: random.Random | None = None,
+    recheck: Recheck | None = None,
 ) -> Upstream:
-    """Reach ``route``'s forwarder for ``port`` and get its OK within ``route.connect_deadline_s``."""
+    """Reach ``route``'s forwarder for ``port`` and get its OK within ``route.connect_deadline_s``.
+
+    ``recheck``: called once, after the first attempt that fails in a way worth retrying. A cached route
+    can say ``active`` for a sandbox that has since gone idle and been stopped; the caller looks the route
+    up afresh and wakes the sandbox if it must, and returns the route to go on with (None: it is gone).
+    A route other than the one given restarts the deadline (the wake took its own time)."""
     loop = asyncio.get_running_loop()
     rng = rng or random.Random()
     start = loop.time()
@@ -117,6 +126,19 @@ async def open_upstream(
             stream, leftover = await _attempt(connected.sock, route, wire, policy, loop.time())
         except _Retry as r:
             failures.append(r.reason)
+            if recheck is not None:
+                check, recheck = recheck, None
+                fresh = await check()
+                if fresh is None:
+                    raise UpstreamFailed("sandbox_gone", "the sandbox is no longer routed", http_status=503,
+                                         retry_after=1, attempts=attempts) from None
+                if fresh is not route:
+                    route, fwd = fresh, fresh.forwarder
+                    preamble = replace(preamble, dst=fresh.target_ip)
+                    wire = GatewaySequence.for_preamble(preamble, now=loop.time(),
+                                                        timeout=policy.status_timeout).start()
+                    deadline = loop.time() + fresh.connect_deadline_s
+                    continue
             wait = min(next(waits), deadline - loop.time())
             if wait > 0:
                 await asyncio.sleep(wait)

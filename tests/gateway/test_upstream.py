@@ -194,3 +194,49 @@ def test_a_forwarder_with_another_key_is_never_sent_the_preamble(pki: Pki, forwa
         if s.name.endswith("_total")
     }
     assert sum(rejects.values()) >= 2 and set(rejects) <= {"eof", "reset", "tls_error"}, rejects
+
+
+def test_recheck_after_the_first_failure_can_move_the_route(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    """A cached route that no longer holds (here: the sandbox's host was replaced, so the cached pin is
+    not its forwarder's): after the first failed attempt the caller's recheck hands over the fresh route,
+    and the connect goes there, with the fresh route's own deadline; recheck is asked once."""
+    fwd = ForwarderThread(fwd_settings(pki))
+    forwarders.append(fwd)
+    app = SandboxApp(echo)
+    calls: list[float] = []
+    fresh = route(fwd.port, app.port, pki, deadline=2.0)
+
+    async def recheck() -> Route | None:
+        calls.append(time.monotonic())
+        return fresh
+
+    async def go() -> tuple[bytes, list[str]]:
+        stale = route(fwd.port, app.port, pki, deadline=0.3, pin_of="gateway")
+        up = await open_upstream(stale, app.port, preamble(app.port), policy(pki), rng=random.Random(1),
+                                 recheck=recheck)
+        await up.stream.write(b"hello")
+        got = up.leftover
+        while len(got) < 5:
+            got += await up.stream.read()
+        up.stream.abort()
+        return got, up.failures
+
+    got, failures = asyncio.run(go())
+    assert got == b"hello" and failures == ["pin_mismatch"] and len(calls) == 1
+    app.join()
+
+
+def test_recheck_saying_gone_is_503_at_once(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    fwd = ForwarderThread(fwd_settings(pki, connect_deadline=0.2))
+    forwarders.append(fwd)
+    gone = SandboxApp(echo, listen=False)
+
+    async def recheck() -> Route | None:
+        return None
+
+    t0 = time.monotonic()
+    with pytest.raises(UpstreamFailed) as failed:
+        asyncio.run(open_upstream(route(fwd.port, gone.port, pki, deadline=5.0), gone.port, preamble(gone.port),
+                                  policy(pki), recheck=recheck))
+    assert (failed.value.reason, failed.value.http_status) == ("sandbox_gone", 503)
+    assert time.monotonic() - t0 < 4.0  # not the 5 s deadline
