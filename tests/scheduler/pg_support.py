@@ -2,13 +2,18 @@
 
 Debian's server binaries (``scripts/setup.sh`` installs ``postgresql``) run a fresh cluster in a
 temporary directory on a loopback port, as the ``postgres`` user (the server refuses to run as root),
-with trust authentication on 127.0.0.1 only. ``stop()`` removes it. Tests that cannot start one skip
-with the reason; nothing here touches the machine's own clusters.
+with trust authentication on 127.0.0.1 only. ``stop()`` removes it; ``halt()`` and ``resume()`` take it down
+and bring it back on the same port with its data (a database outage). ``shared_server()`` is one server
+for the whole test run, started on first use and removed at exit; ``fresh_schema()`` gives each test an
+empty schema of its own on it (a DSN whose ``search_path`` is that schema). Tests that cannot start one
+skip with the reason; nothing here touches the machine's own clusters.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import itertools
 import os
 import shutil
 import socket
@@ -16,6 +21,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import psycopg
 
 
 class PgUnavailable(Exception):
@@ -60,6 +67,10 @@ class PgServer:
         r = self._run("initdb", "-D", str(self.data), "--auth=trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
         if r.returncode:
             raise PgUnavailable(f"initdb failed: {r.stderr.strip()[-300:]}")
+        return self.resume()
+
+    def resume(self) -> PgServer:
+        """Start the server on its data directory (after ``start`` made it, or after ``halt``)."""
         opts = f"-h 127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off -c max_connections=50"
         log = str(self.dir / "log")
         r = self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", log, "-w", "-t", "60", "start")
@@ -72,6 +83,12 @@ class PgServer:
     def dsn(self) -> str:
         return f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres connect_timeout=5"
 
+    def halt(self) -> None:
+        """Stop the server at once (as a crash would), keeping its data for ``resume``."""
+        r = self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop", timeout=30)
+        if r.returncode:
+            raise PgUnavailable(f"pg_ctl stop failed: {r.stderr.strip()[-300:]}")
+
     def stop(self) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop", timeout=30)
@@ -81,3 +98,31 @@ class PgServer:
                 return
             except OSError:
                 time.sleep(0.1)
+
+
+_shared: PgServer | PgUnavailable | None = None
+_schemas = itertools.count(1)
+
+
+def shared_server() -> PgServer:
+    """One server for the test run (started on first call, removed when the process exits); raises
+    ``PgUnavailable`` (each time) if it could not start."""
+    global _shared
+    if _shared is None:
+        try:
+            _shared = PgServer().start()
+        except PgUnavailable as e:
+            _shared = e
+        else:
+            atexit.register(_shared.stop)
+    if isinstance(_shared, PgUnavailable):
+        raise _shared
+    return _shared
+
+
+def fresh_schema(server: PgServer) -> str:
+    """A new, empty schema on ``server``; returns a DSN whose ``search_path`` is it."""
+    name = f"t{os.getpid()}_{next(_schemas)}"
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {name}")
+    return f"{server.dsn} options='-c search_path={name}'"

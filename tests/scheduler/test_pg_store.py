@@ -1,0 +1,251 @@
+"""What is particular to the PostgreSQL store (scheduler/pg_store.py), on a real throw-away server
+(tests/scheduler/pg_support.py; skipped with the reason where none can start). The contract both stores
+meet is tests/scheduler/test_store_contract.py.
+
+Two replicas that both find no ledger record claim seq 1 once (the second waits on the first's lock and
+conflicts); event ids become visible in commit order; a failing statement rolls a batch back; a lock
+wait is bounded; webhook claims skip rows another transaction holds; replicas starting together create
+the schema once; a schema of another version is refused; and the store fails with a clear reason while
+the server is down and works again, with nothing lost or doubled, once it is back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pg_support
+import psycopg
+import pytest
+from test_store_contract import E1, FWD, batch, both, reg, register, totals
+
+from scheduler.feed_ledger import Stored, Verdict, decide
+from scheduler.pg_store import PgStore
+from scheduler.store import CoreAhead, LedgerConflict, StoreError, ingest_batch, load_core, sync_core
+from scheduler.timers import State, TimerCore
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> pg_support.PgServer:
+    try:
+        return pg_support.shared_server()
+    except pg_support.PgUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def dsn(pg_server: pg_support.PgServer) -> str:
+    return pg_support.fresh_schema(pg_server)
+
+
+@pytest.fixture
+def stores(dsn: str) -> Iterator[list[PgStore]]:
+    """Opened stores, closed after the test."""
+    opened: list[PgStore] = []
+    yield opened
+    for s in opened:
+        s.close()
+
+
+def open_with(stores: list[PgStore], dsn: str, *sids: str, **kw: float) -> tuple[PgStore, TimerCore]:
+    store = PgStore(dsn, **kw)
+    stores.append(store)
+    core = load_core(store)
+    for sid in sids:
+        register(core, store, sid, reg(), 100.0)
+    return store, core
+
+
+def blocked(t: threading.Thread, for_s: float = 0.5) -> bool:
+    t.join(for_s)
+    return t.is_alive()
+
+
+def test_two_replicas_finding_no_record_apply_seq_1_once(dsn: str, stores: list[PgStore]) -> None:
+    """Replica A holds its transaction open after claiming seq 1; replica B's ingest of the same batch
+    waits on A's row locks, then starts from A's commit, and its claim conflicts: the bytes count once,
+    and the forwarder's resend to B is a duplicate."""
+    a, core_a = open_with(stores, dsn, "sbx-a", "sbx-b")
+    b, core_b = open_with(stores, dsn)
+    first = batch(E1, 1, ("sbx-a", 10, 20), ("sbx-b", 1, 2))
+    outcome: list[BaseException | object] = []
+
+    def replica_b() -> None:
+        try:
+            outcome.append(ingest_batch(core_b, b, FWD, first, 201.0))
+        except BaseException as e:
+            outcome.append(e)
+
+    with a.transaction() as tx:
+        d = decide(tx.ledger(FWD), first)
+        assert d.apply and tx.ledger(FWD) is None
+        sids = ["sbx-a", "sbx-b"]
+        sync_core(core_a, sids, tx.lock(sids))
+        for r in first.sandboxes:
+            core_a.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, 200.0, 200.0)
+        tx.claim(FWD, first, d)
+        tx.save({s: core_a.snapshot(s) for s in sids}, [])
+        t = threading.Thread(target=replica_b)
+        t.start()
+        assert blocked(t)  # B read no record either, and waits on A's locks
+    t.join(30)
+    (err,) = outcome
+    assert isinstance(err, CoreAhead) and isinstance(err.__cause__, LedgerConflict)
+    assert totals(b) == {"sbx-a": (10, 20), "sbx-b": (1, 2)} and b.ledger(FWD) == Stored(E1, 1)
+    core_b = load_core(b)  # what the feed adapter does on CoreAhead
+    d, _ = ingest_batch(core_b, b, FWD, first, 202.0)
+    assert d.verdict is Verdict.DUPLICATE and totals(b) == {"sbx-a": (10, 20), "sbx-b": (1, 2)}
+
+
+def test_two_first_claims_without_sandboxes_conflict_on_the_insert(dsn: str, stores: list[PgStore]) -> None:
+    """The ledger insert itself: B's claim waits for A's uncommitted insert of the same identity's row, then
+    finds it and writes nothing."""
+    a, _ = open_with(stores, dsn)
+    b, _ = open_with(stores, dsn)
+    first = batch(E1, 1)
+    errors: list[BaseException] = []
+
+    def claim_b() -> None:
+        try:
+            with b.transaction() as tx:
+                tx.claim(FWD, first, decide(tx.ledger(FWD), first))
+        except BaseException as e:
+            errors.append(e)
+
+    with a.transaction() as tx:
+        tx.claim(FWD, first, decide(tx.ledger(FWD), first))
+        t = threading.Thread(target=claim_b)
+        t.start()
+        assert blocked(t)
+    t.join(30)
+    assert [type(e) for e in errors] == [LedgerConflict] and b.ledger(FWD) == Stored(E1, 1)
+
+
+def test_event_ids_become_visible_in_commit_order(dsn: str, stores: list[PgStore]) -> None:
+    """A transaction that inserted an event holds the next one back until it commits, so a reader that
+    resumes after the highest id it saw never skips a lower id committed later. Readers do not wait."""
+    a, core = open_with(stores, dsn, "sbx-a", "sbx-b")
+    b, _ = open_with(stores, dsn)
+    reader, _ = open_with(stores, dsn)
+    seen = reader.events_after(0)
+    ev_a, ev_b = core.on_timer(1000.0)
+    ids: dict[str, list[int]] = {}
+    t = threading.Thread(target=lambda: ids.setdefault("b", b.save({}, [ev_b])))
+    with a.transaction() as tx:
+        ids["a"] = tx.save({}, [ev_a])
+        t.start()
+        assert blocked(t)  # B's insert waits for A's commit
+        t0 = time.monotonic()
+        assert reader.events_after(seen[-1].id) == []  # the reader does not wait, and sees neither yet
+        assert time.monotonic() - t0 < 5.0
+    t.join(30)
+    assert ids["b"][0] > ids["a"][0]
+    assert [e.event for e in reader.events_after(seen[-1].id)] == [ev_a, ev_b]
+
+
+@pytest.mark.parametrize(
+    "on", ["AFTER UPDATE ON sandboxes", "AFTER INSERT ON events", "AFTER INSERT OR UPDATE ON feed_ledger"]
+)
+def test_a_failing_statement_rolls_the_batch_back(dsn: str, stores: list[PgStore], on: str) -> None:
+    store, core = open_with(stores, dsn, "sbx-a", "sbx-b")
+    core.on_timer(1000.0)  # both idle: the batch makes events (traffic -> active)
+    store.save({s: core.snapshot(s) for s in ("sbx-a", "sbx-b")}, [])
+    before = (store.sandboxes(), store.ledger(FWD), store.events_after(0))
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(
+            "CREATE FUNCTION fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$"
+        )
+        admin.execute(f"CREATE TRIGGER fail {on} FOR EACH STATEMENT EXECUTE FUNCTION fail()")
+        b = batch(E1, 1, ("sbx-a", 10, 20), ("sbx-b", 30, 40))
+        with pytest.raises(CoreAhead) as e:
+            ingest_batch(core, store, FWD, b, 1001.0)
+        assert e.value.reason == "pg" and "injected" in e.value.detail
+        assert (store.sandboxes(), store.ledger(FWD), store.events_after(0)) == before
+        admin.execute(f"DROP TRIGGER fail ON {on.split()[-1]}")
+    core = load_core(store)
+    d, events = ingest_batch(core, store, FWD, b, 1002.0)
+    assert d.apply and [e.to_state for e in events] == [State.ACTIVE, State.ACTIVE]
+    assert totals(store) == {"sbx-a": (10, 20), "sbx-b": (30, 40)}
+
+
+def test_a_lock_wait_is_bounded(dsn: str, stores: list[PgStore]) -> None:
+    a, _ = open_with(stores, dsn, "sbx-a")
+    b, _ = open_with(stores, dsn, lock_timeout_s=0.3)
+    with a.transaction() as tx:
+        tx.lock(["sbx-a"])
+        t0 = time.monotonic()
+        with pytest.raises(StoreError) as e, b.transaction() as tx_b:
+            tx_b.lock(["sbx-a"])
+        assert e.value.reason == "pg_lock_timeout" and time.monotonic() - t0 < 10.0
+    with b.transaction() as tx_b:  # the lock is free again, and b's connection still works
+        assert list(tx_b.lock(["sbx-a"])) == ["sbx-a"]
+
+
+def test_webhook_claims_skip_rows_another_transaction_holds(dsn: str, stores: list[PgStore]) -> None:
+    store, core = open_with(stores, dsn, "sbx-a", "sbx-b", "sbx-c")
+    ids = store.save({}, core.on_timer(1000.0))
+    with psycopg.connect(dsn) as other:  # a claim in progress elsewhere, holding the first event's row
+        other.execute("SELECT id FROM events WHERE id = %s FOR UPDATE", (ids[0],))
+        t0 = time.monotonic()
+        assert [e.id for e in store.claim_webhooks("r1", 1000.0, 30.0)] == ids[1:]
+        assert time.monotonic() - t0 < 5.0  # did not wait for it
+        other.rollback()
+    assert [e.id for e in store.claim_webhooks("r2", 1000.0, 30.0)] == ids[:1]
+
+
+def test_replicas_starting_together_create_the_schema_once(dsn: str, stores: list[PgStore]) -> None:
+    made = both(lambda: PgStore(dsn), lambda: PgStore(dsn), lambda: PgStore(dsn))
+    stores += made
+    with psycopg.connect(dsn) as c:
+        assert c.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+
+
+def test_a_schema_of_another_version_is_refused(dsn: str, stores: list[PgStore]) -> None:
+    PgStore(dsn).close()
+    with psycopg.connect(dsn) as c:
+        c.execute("UPDATE schema_version SET version = 99")
+    with pytest.raises(StoreError) as e:
+        PgStore(dsn)
+    assert e.value.reason == "schema_version" and "99" in e.value.detail
+
+
+def test_an_unreachable_server_is_a_store_error_naming_it() -> None:
+    port = pg_support._free_port()  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as e:
+        PgStore(f"host=127.0.0.1 port={port} user=postgres dbname=postgres", connect_timeout_s=2.0)
+    assert e.value.reason == "pg_unavailable" and "cannot connect" in e.value.detail
+    assert time.monotonic() - t0 < 30.0
+
+
+def test_a_server_outage_fails_clearly_and_the_store_recovers() -> None:
+    """The server stops at once (as a crash); each transaction meanwhile raises ``pg_unavailable`` (a batch
+    is refused before the core changes, so the feed adapter answers 500 and the forwarder resends); once
+    the server is back the same store object reconnects, the resend applies once, and what was committed
+    before is all there."""
+    try:
+        server = pg_support.PgServer().start()
+    except pg_support.PgUnavailable as unavailable:
+        pytest.skip(str(unavailable))
+    try:
+        store = PgStore(server.dsn, connect_timeout_s=2.0)
+        core = load_core(store)
+        register(core, store, "sbx-a", reg(), 100.0)
+        ingest_batch(core, store, FWD, batch(E1, 1, ("sbx-a", 1, 2)), 101.0)
+        server.halt()
+        b2 = batch(E1, 2, ("sbx-a", 10, 20))
+        for _ in range(2):  # the lost connection, then a refused reconnect
+            with pytest.raises(StoreError) as e:
+                ingest_batch(core, store, FWD, b2, 102.0)
+            assert not isinstance(e.value, CoreAhead) and e.value.reason == "pg_unavailable"
+        with pytest.raises(StoreError) as e:
+            store.sandboxes()
+        assert e.value.reason == "pg_unavailable" and "cannot connect" in e.value.detail
+        server.resume()
+        d, _ = ingest_batch(core, store, FWD, b2, 103.0)
+        assert d.apply and store.reconnects >= 1
+        assert ingest_batch(core, store, FWD, b2, 104.0)[0].verdict is Verdict.DUPLICATE
+        assert totals(store) == {"sbx-a": (11, 22)} and store.ledger(FWD) == Stored(E1, 2)
+        store.close()
+    finally:
+        server.stop()
