@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 from pathlib import Path
 
 
@@ -13,12 +15,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     ca.add_argument("--name", default="sbxnet CA", help="CA common name")
     ca.add_argument("--days", type=float, default=3650)
 
-    fw = sub.add_parser("forwarder", help="mint a forwarder server certificate signed by the CA")
+    fw = sub.add_parser("forwarder", help="mint a forwarder certificate signed by the CA (server for the link, "
+                        "client with a URI SAN for the idle feed)")
     fw.add_argument("--dir", type=Path, required=True, help="directory holding ca.crt/ca.key; output too")
     fw.add_argument("--name", default="forwarder", help="file stem and common name")
     fw.add_argument("--dns", action="append", default=[], help="DNS SAN (repeatable)")
     fw.add_argument("--ip", action="append", default=[], help="IP SAN (repeatable)")
+    fw.add_argument("--trust-domain", default="sbxnet.local", help="SPIFFE trust domain")
+    fw.add_argument("--uri", action="append", default=[],
+                    help="URI SAN, its identity in the idle feed (default spiffe://<td>/forwarder/<name>)")
     fw.add_argument("--days", type=float, default=365)
+
+    sc = sub.add_parser("scheduler", help="mint a scheduler server certificate signed by the CA")
+    sc.add_argument("--dir", type=Path, required=True, help="directory holding ca.crt/ca.key; output too")
+    sc.add_argument("--name", default="scheduler", help="file stem and common name")
+    sc.add_argument("--dns", action="append", default=[], help="DNS SAN (repeatable)")
+    sc.add_argument("--ip", action="append", default=[], help="IP SAN (repeatable)")
+    sc.add_argument("--days", type=float, default=365)
 
     gw = sub.add_parser("gateway", help="mint a gateway client certificate (URI SAN) signed by the CA")
     gw.add_argument("--dir", type=Path, required=True, help="directory holding ca.crt/ca.key; output too")
@@ -30,7 +43,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     pin = sub.add_parser("pin", help="print the SPKI pin (base64 SHA-256) of a PEM certificate")
     pin.add_argument("cert", type=Path)
 
-    dev = sub.add_parser("dev", help="mint a CA, a forwarder (localhost) and a gateway certificate")
+    dev = sub.add_parser("dev", help="mint a CA, forwarder (localhost), gateway and scheduler (localhost) "
+                         "certificates and a scheduler admin token")
     dev.add_argument("--dir", type=Path, required=True)
     dev.add_argument("--trust-domain", default="sbxnet.local")
 
@@ -51,13 +65,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.dir / 'ca.crt'} and {args.dir / 'ca.key'} (0600)")
         if cmd == "ca":
             return 0
-        fw = mint_leaf(ca, "forwarder", dns=("localhost",), ips=("127.0.0.1", "::1"), server=True)
+        fw_uri = f"spiffe://{args.trust_domain}/forwarder/forwarder"
+        fw = mint_leaf(ca, "forwarder", dns=("localhost",), ips=("127.0.0.1", "::1"), uris=(fw_uri,), server=True,
+                       client=True)
         write_issued(fw, args.dir, "forwarder")
         gw_uri = f"spiffe://{args.trust_domain}/gateway"
         gw = mint_leaf(ca, "gateway", uris=(gw_uri,), server=False, client=True)
         write_issued(gw, args.dir, "gateway")
-        print(f"wrote forwarder.crt/.key (DNS localhost, IP 127.0.0.1) pin {spki_pin(fw.cert)}")
+        sc = mint_leaf(ca, "scheduler", dns=("localhost",), ips=("127.0.0.1", "::1"), server=True)
+        write_issued(sc, args.dir, "scheduler")
+        token = args.dir / "admin.token"
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        print(f"wrote forwarder.crt/.key (DNS localhost, IP 127.0.0.1, URI {fw_uri}) pin {spki_pin(fw.cert)}")
         print(f"wrote gateway.crt/.key (URI {gw_uri})")
+        print("wrote scheduler.crt/.key (DNS localhost, IP 127.0.0.1)")
+        print(f"wrote {token} (0600): the scheduler's admin token")
         return 0
     try:
         ca = load_issued(args.dir, "ca")
@@ -67,6 +91,13 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "forwarder":
         if not (args.dns or args.ip):
             print("certs: a forwarder certificate needs at least one --dns or --ip")
+            return 2
+        uris = tuple(args.uri) or (f"spiffe://{args.trust_domain}/forwarder/{args.name}",)
+        leaf = mint_leaf(ca, args.name, dns=tuple(args.dns), ips=tuple(args.ip), uris=uris, server=True, client=True,
+                         days=args.days)
+    elif cmd == "scheduler":
+        if not (args.dns or args.ip):
+            print("certs: a scheduler certificate needs at least one --dns or --ip")
             return 2
         leaf = mint_leaf(ca, args.name, dns=tuple(args.dns), ips=tuple(args.ip), server=True, days=args.days)
     else:
