@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, FilePath, IPvAnyAddress, IPvAnyNetwork, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -50,6 +51,14 @@ class ForwarderSettings(BaseSettings):
     workers: int = Field(1, ge=0, le=256, description="processes sharing the port; 0 = one per core")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # The idle feed (docs/scheduler-api.md, "The idle feed"). Unset feed_url: no feed.
+    feed_url: str | None = Field(None, description="https URL of the scheduler's POST /v1/feed")
+    feed_cert_file: FilePath | None = Field(None, description="client certificate for the feed (default cert_file)")
+    feed_key_file: FilePath | None = Field(None, description="its key (default key_file)")
+    feed_ca_file: FilePath | None = Field(None, description="CA for the scheduler's certificate (default ca_file)")
+    feed_interval: float = Field(1.0, ge=0.05, le=60, description="seconds between reports")
+    feed_request_timeout: float = Field(5.0, gt=0, le=60, description="one POST, connect to answer")
+
     _split = field_validator("client_san_allow", "sandbox_prefixes", "allow_targets", mode="before")(split_list)
 
     @field_validator("client_san_allow")
@@ -60,6 +69,38 @@ class ForwarderSettings(BaseSettings):
         for pattern in value:
             validate_pattern(pattern)
         return value
+
+    @field_validator("feed_url")
+    @classmethod
+    def _feed_url_well_formed(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            url = urlsplit(value)
+            port = url.port
+        except ValueError as e:
+            raise ValueError(f"not a URL with a valid port ({e})") from None
+        if url.scheme != "https":
+            raise ValueError("must be an https:// URL (the feed goes over mutual TLS)")
+        if not url.hostname:
+            raise ValueError("must name the scheduler's host")
+        if port == 0:
+            raise ValueError("port 0 is not a port to connect to")
+        if url.username is not None or url.password is not None:
+            raise ValueError("must not carry user information (the forwarder is identified by its certificate)")
+        if url.query or url.fragment or value.endswith(("?", "#")):
+            raise ValueError("must not carry a query or fragment (the forwarder adds ?stream=<worker>)")
+        if not url.path.endswith("/v1/feed"):
+            raise ValueError("must be the scheduler's feed endpoint, a path ending in /v1/feed")
+        return value
+
+    @model_validator(mode="after")
+    def _feed_key_pair(self) -> ForwarderSettings:
+        if (self.feed_cert_file is None) != (self.feed_key_file is None):
+            raise ValueError(
+                "feed_cert_file and feed_key_file go together: set both, or neither to use cert_file and key_file"
+            )
+        return self
 
     @model_validator(mode="after")
     def _backoff_order(self) -> ForwarderSettings:
@@ -73,3 +114,12 @@ class ForwarderSettings(BaseSettings):
     @property
     def config_files(self) -> tuple[Path, Path, Path]:
         return (self.cert_file, self.key_file, self.ca_file)
+
+    @property
+    def feed_files(self) -> tuple[Path, Path, Path]:
+        """The feed's client certificate, key and CA, defaults applied."""
+        return (
+            self.feed_cert_file or self.cert_file,
+            self.feed_key_file or self.key_file,
+            self.feed_ca_file or self.ca_file,
+        )
