@@ -286,9 +286,15 @@ class H2cConnection:
         if self.streams.pop(stream_id, None) is not None:
             self._slot.set()
 
-    async def close(self) -> None:
-        """Close at once: the link is aborted (the forwarder passes the reset on to the app), every
-        open stream gets ``Broken``."""
+    async def close(self, *, grace: float = 1.0) -> None:
+        """Close: what is pending (the resets of streams given up) and a GOAWAY go out within ``grace``
+        seconds, then the link is aborted (the forwarder passes the reset on to the app) and every open
+        stream gets ``Broken``."""
+        if self.dead is None and grace > 0:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.h2.close_connection()
+            with contextlib.suppress(H2cUnusable, TimeoutError):
+                await asyncio.wait_for(self.flush(), grace)
         self._break("closed")
         tasks = [t for t in (self._reader, *self._background) if t is not None]
         for t in tasks:

@@ -59,6 +59,7 @@ class H2App:
         self.sent: dict[str, int] = {}
         self.consume = threading.Event()
         self.errors: list[BaseException] = []
+        self.goaways: list[int] = []  # the gateway's GOAWAY codes
         self.live = 0
         self._stop = False
         self._threads: list[threading.Thread] = []
@@ -180,6 +181,9 @@ class H2App:
             if ev.stream_id in recs:
                 recs[ev.stream_id]["reset"] = int(ev.error_code)
             floods.discard(ev.stream_id)
+        elif isinstance(ev, h2.events.ConnectionTerminated):
+            self.goaways.append(int(ev.error_code or 0))
+            return "close"
         return None
 
     def by_path(self, path: str) -> list[dict[str, Any]]:
@@ -548,10 +552,21 @@ def test_a_stream_for_another_sandbox_is_421_and_never_reaches_the_app(s: dict[s
     assert [r["path"] for r in app.requests[before:]] == ["/mine"]
 
 
-def test_a_client_leaving_mid_stream_closes_its_links(s: dict[str, Any]) -> None:
-    """The client vanishes with streams open: the gateway closes the upstream connection (the fixture's
-    checks see no link, app connection, task or descriptor left)."""
+def test_a_client_leaving_mid_stream_resets_its_streams_and_closes_its_link(s: dict[str, Any]) -> None:
+    """The client vanishes with streams open: the app sees each stream reset CANCEL and a GOAWAY before
+    the link closes (the fixture's checks see no link, app connection, task or descriptor left)."""
+    app: H2App = s["app"]
+    goaways = len(app.goaways)
     with client(s) as c:
         c.request(1, NAME, "/hold")
         c.request(3, NAME, "/flood")
-        c.wait(lambda: c.st[3]["headers"] is not None)
+        c.wait(lambda: c.st[3]["headers"] is not None and len(app.by_path("/hold")) > 0)
+        hold, flood = app.by_path("/hold")[-1], app.by_path("/flood")[-1]
+    deadline = time.monotonic() + 5
+    while (hold["reset"] is None or flood["reset"] is None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hold["reset"] == Codes.CANCEL
+    assert flood["reset"] == Codes.CANCEL
+    while len(app.goaways) == goaways and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert app.goaways[goaways:] == [Codes.NO_ERROR]
