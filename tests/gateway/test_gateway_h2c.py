@@ -27,6 +27,7 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.settings
 import pytest
 from fwd_support import ForwarderThread, Pki
 from gw_support import DOMAIN, GatewayThread, forwarder_settings, registration
@@ -48,7 +49,10 @@ class H2App:
     close; ``/close-after-data``, ``/close-now``: the socket closed after a head and some DATA / at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_streams: int | None = None) -> None:
+        self.max_streams = max_streams  # its SETTINGS_MAX_CONCURRENT_STREAMS, if any
+        self.open_streams = 0
+        self.most_open = 0  # the most streams it had open at once
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind(("127.0.0.1", 0))
@@ -90,11 +94,15 @@ class H2App:
 
     def _run(self, sock: socket.socket) -> None:
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        if self.max_streams is not None:
+            conn.local_settings = h2.settings.Settings(client=False, initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams})
         conn.initiate_connection()
         sock.sendall(conn.data_to_send())
         recs: dict[int, dict[str, Any]] = {}
         floods: set[int] = set()
         held: list[int] = []
+        due: list[tuple[float, int]] = []  # /slow answers: when, stream
         unacked: list[tuple[int, int]] = []
         while not self._stop:
             readable, _, _ = select.select([sock], [], [], 0.01)
@@ -103,7 +111,7 @@ class H2App:
                 if not data:
                     return
                 for ev in conn.receive_data(data):
-                    if self._event(conn, ev, recs, floods, held, unacked) == "close":
+                    if self._event(conn, ev, recs, floods, held, unacked, due) == "close":
                         sock.sendall(conn.data_to_send())
                         return
             if self.consume.is_set():
@@ -119,12 +127,16 @@ class H2App:
                         self.sent["/flood"] = self.sent.get("/flood", 0) + n
                 except h2.exceptions.StreamClosedError:
                     floods.discard(sid)
+            now = time.monotonic()
+            for when, sid in [d for d in due if d[0] <= now]:
+                due.remove((when, sid))
+                self._answer(conn, sid, recs[sid])
             out = conn.data_to_send()
             if out:
                 sock.sendall(out)
 
     def _event(self, conn: h2.connection.H2Connection, ev: Any, recs: dict[int, dict[str, Any]], floods: set[int],
-               held: list[int], unacked: list[tuple[int, int]]) -> str | None:
+               held: list[int], unacked: list[tuple[int, int]], due: list[tuple[float, int]]) -> str | None:
         if isinstance(ev, h2.events.RequestReceived):
             headers = [(n.decode(), v.decode()) for n, v in ev.headers]
             path = dict(headers)[":path"]
@@ -132,6 +144,8 @@ class H2App:
                    "reset": None, "stream_id": ev.stream_id}
             recs[ev.stream_id] = rec
             self.requests.append(rec)
+            self.open_streams += 1
+            self.most_open = max(self.most_open, self.open_streams)
             sid = ev.stream_id
             if path == "/trailers-only":
                 conn.send_headers(sid, [(":status", "200"), ("content-type", "application/grpc"),
@@ -170,13 +184,10 @@ class H2App:
             rec = recs[ev.stream_id]
             if rec["path"] in ("/trailers-only", "/reset-after-data", "/refuse", "/flood", "/hold"):
                 return None
-            body = json.dumps({"path": rec["path"], "headers": rec["headers"], "n": rec["n"],
-                               "sha": rec["sha"].hexdigest(), "trailers": rec["trailers"]}).encode()
-            trailers = rec["path"] == "/trailers"
-            conn.send_headers(ev.stream_id, [(":status", "200"), ("content-type", "application/json")])
-            conn.send_data(ev.stream_id, body, end_stream=not trailers)
-            if trailers:
-                conn.send_headers(ev.stream_id, [("x-trailer", "t1"), ("grpc-status", "0")], end_stream=True)
+            if rec["path"] == "/slow":
+                due.append((time.monotonic() + 0.1, ev.stream_id))
+                return None
+            self._answer(conn, ev.stream_id, rec)
         elif isinstance(ev, h2.events.StreamReset):
             if ev.stream_id in recs:
                 recs[ev.stream_id]["reset"] = int(ev.error_code)
@@ -185,6 +196,16 @@ class H2App:
             self.goaways.append(int(ev.error_code or 0))
             return "close"
         return None
+
+    def _answer(self, conn: h2.connection.H2Connection, sid: int, rec: dict[str, Any]) -> None:
+        body = json.dumps({"path": rec["path"], "headers": rec["headers"], "n": rec["n"],
+                           "sha": rec["sha"].hexdigest(), "trailers": rec["trailers"]}).encode()
+        trailers = rec["path"] == "/trailers"
+        conn.send_headers(sid, [(":status", "200"), ("content-type", "application/json")])
+        conn.send_data(sid, body, end_stream=not trailers)
+        if trailers:
+            conn.send_headers(sid, [("x-trailer", "t1"), ("grpc-status", "0")], end_stream=True)
+        self.open_streams -= 1
 
     def by_path(self, path: str) -> list[dict[str, Any]]:
         return [r for r in self.requests if r["path"] == path]
@@ -332,16 +353,19 @@ def _gateway_tasks(gw: GatewayThread) -> int:
 def h2c_stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     fwd = ForwarderThread(forwarder_settings(pki))
     app = H2App()
+    narrow = H2App(max_streams=2)
     routes = tmp_path_factory.mktemp("h2c-routes") / "routes.json"
     routes.write_text(json.dumps({"sandboxes": {
         "h2app": registration(pki, fwd.port, {app.port: ("h2c", "public")}, default=app.port),
         "other": registration(pki, fwd.port, {app.port: ("h2c", "public")}, default=app.port),
+        "narrow": registration(pki, fwd.port, {narrow.port: ("h2c", "public")}, default=narrow.port),
     }}))
     gw = GatewayThread(pki, routes, header_timeout=2.0, idle_timeout=10.0)
-    yield {"gw": gw, "fwd": fwd, "app": app, "pki": pki, "tasks": _gateway_tasks(gw)}
+    yield {"gw": gw, "fwd": fwd, "app": app, "narrow": narrow, "pki": pki, "tasks": _gateway_tasks(gw)}
     gw.stop()
     fwd.stop()
     app.stop()
+    narrow.stop()
 
 
 @pytest.fixture
@@ -570,3 +594,23 @@ def test_a_client_leaving_mid_stream_resets_its_streams_and_closes_its_link(s: d
     while len(app.goaways) == goaways and time.monotonic() < deadline:
         time.sleep(0.01)
     assert app.goaways[goaways:] == [Codes.NO_ERROR]
+
+
+def test_streams_wait_for_room_under_the_apps_concurrency_limit(s: dict[str, Any]) -> None:
+    """The app allows 2 streams at once; 10 arrive together on one client connection: they go on one link
+    two at a time, and every one is answered."""
+    narrow: H2App = s["narrow"]
+    name = f"narrow.{DOMAIN}"
+    with client(s, name) as c:
+        c.request(1, name, "/first")  # the app's SETTINGS are known after this
+        c.done(1)
+        narrow.most_open = 0
+        sids = list(range(3, 23, 2))
+        for sid in sids:
+            c.request(sid, name, "/slow")
+        c.done(*sids)
+        for sid in sids:
+            assert c.st[sid]["headers"][":status"] == "200", c.summary()
+    assert narrow.most_open == 2
+    assert narrow.accepted == 1
+    assert narrow.errors == []
