@@ -10,7 +10,7 @@ import json
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from certs.loader import client_context
 from certs.mint import mint_leaf, spki_pin, write_issued
 from forwarder.ingress.settings import ForwarderSettings
 from gateway.names import Names
-from gateway.route_source import StaticRoutes
+from gateway.route_source import RouteSource, StaticRoutes
 from gateway.server import GatewayConfig, GatewayServer
 from gateway.tls_front import CertPair, FrontTls
 from gateway.upstream import UpstreamPolicy
@@ -57,7 +57,11 @@ def registration(pki: Pki, fwd_port: int, ports: dict[int, tuple[str, str]], *, 
 
 
 class GatewayThread:
-    def __init__(self, pki: Pki, routes_file: Path, **config: Any) -> None:
+    """The gateway on its own event loop in a thread. Routes from ``routes_file`` (a ``StaticRoutes``), or
+    from ``routes``: a factory called on the gateway's loop (the scheduler's client)."""
+
+    def __init__(self, pki: Pki, routes_file: Path | None, *, routes: Callable[[], RouteSource] | None = None,
+                 **config: Any) -> None:
         import uvloop
 
         self.loop = uvloop.new_event_loop()
@@ -74,7 +78,7 @@ class GatewayThread:
             cfg = GatewayConfig(
                 names=Names(DOMAIN, listen_port=self.port),
                 front=FrontTls([front_cert(pki)]),
-                routes=StaticRoutes(routes_file, ttl=1.0),
+                routes=routes() if routes is not None else StaticRoutes(routes_file, ttl=1.0),  # type: ignore[arg-type]
                 upstream=UpstreamPolicy(client_context(cert_file=cert, key_file=key, ca_file=pki.ca_file)),
                 **config,
             )
@@ -98,10 +102,11 @@ class EchoHttp(http.server.ThreadingHTTPServer):
     """A sandbox's HTTP app: answers every request with JSON describing what it received."""
 
     daemon_threads = True
+    request_queue_size = 128  # a real app's backlog, not socketserver's 5 (50 clients at once overflow it)
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.requests: list[dict[str, Any]] = []
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(("127.0.0.1", port), _Handler)
         self.port = int(self.server_address[1])
         threading.Thread(target=self.serve_forever, daemon=True).start()
 

@@ -90,7 +90,9 @@ class SchedulerApp:
 
     def __init__(self, store_factory: Callable[[], Store], pki: dict[str, Path], *, port: int | None = None,
                  webhook_url: str | None = None, webhook_secret: bytes | None = None,
-                 route_cache_s: int = 2, negative_cache_s: int = 1) -> None:
+                 route_cache_s: int = 2, negative_cache_s: int = 1,
+                 gateway_allow: tuple[str, ...] = (GATEWAY_SAN,)) -> None:
+        self.gateway_allow = gateway_allow
         self.store_factory = store_factory
         self.pki = pki
         self.port = port or free_port()
@@ -112,7 +114,7 @@ class SchedulerApp:
         self.store = self.store_factory()
         self.service = SchedulerService(self.store, forwarder_allow=[FORWARDER_SAN],
                                         auto_ready=self.webhook_url is None, resync_s=1.0)
-        self.api = Api(self.service, admin_token_sha256=ADMIN_SHA, gateway_allow=[GATEWAY_SAN],
+        self.api = Api(self.service, admin_token_sha256=ADMIN_SHA, gateway_allow=self.gateway_allow,
                        route_cache_s=self.route_cache_s, negative_cache_s=self.negative_cache_s)
         self._runner = web.AppRunner(self.api.app(), access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
