@@ -32,7 +32,8 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
     s = settings
     return GatewayConfig(
         names=Names(s.domain, listen_port=s.listen_port),
-        front=FrontTls([CertPair(c, k) for c, k in zip(s.cert_files, s.key_files, strict=True)]),
+        front=FrontTls([CertPair(c, k) for c, k in zip(s.cert_files, s.key_files, strict=True)],
+                       client_ca_file=s.client_ca_file),
         routes=StaticRoutes(s.routes_file),
         upstream=UpstreamPolicy(
             client_context(cert_file=s.upstream_cert_file, key_file=s.upstream_key_file, ca_file=s.upstream_ca_file)
@@ -59,7 +60,8 @@ def serve(settings: GatewaySettings, *, check_only: bool = False) -> int:
     try:
         build_config(settings)
     except LOAD_ERRORS as e:
-        print(f"gateway: cannot load the TLS material ({e}); check cert_files, key_files and upstream_*",
+        print(f"gateway: cannot load the TLS material ({e}); check cert_files, key_files, client_ca_file and "
+              "upstream_*",
               file=sys.stderr)
         return 2
     except SbxnetError as e:

@@ -8,10 +8,15 @@ source); a sandbox that is not active is woken once however many requests wait (
 Limits: ``max_connections`` (taken before accept, so at the limit the kernel's backlog holds new clients)
 and ``max_connections_per_sandbox``.
 
-Raw TCP routes (``relay``): half-close and reset follow one rule at both TLS ends, the forwarder's
-(docs/forwarder.md): close_notify ends one direction (passed on as close_notify then FIN, as FIN to the
-sandbox); a TCP FIN without close_notify, a reset, a TLS error, or ``tcp_idle_timeout`` without a byte
-resets both sides, so a truncated stream never looks complete.
+Raw TCP routes (``relay``) have auth ``public`` or ``client_cert``. With a ``client_ca_file`` the
+ClientHello's server name is read before the handshake (``tls_front.hello_server_name``, on bytes peeked,
+not taken, off the socket), and a connection for a ``client_cert`` route is made from a context that
+requires a client certificate chaining to that CA: a missing or unverifiable certificate fails the
+handshake, so nothing goes upstream. Without a client CA such a route is closed right after the
+handshake, also before anything goes upstream. Half-close and reset follow one rule at both TLS ends, the
+forwarder's (docs/forwarder.md): close_notify ends one direction (passed on as close_notify then FIN, as
+FIN to the sandbox); a TCP FIN without close_notify, a reset, a TLS error, or ``tcp_idle_timeout`` without
+a byte resets both sides, so a truncated stream never looks complete.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from gateway.names import NameRefused, Names
 from gateway.route_cache import RouteCache
 from gateway.route_source import RouteSource, Waker, WakeRefused
 from gateway.routing import Forward, RawForward, decide_connection
-from gateway.tls_front import FrontTls
+from gateway.tls_front import NEED_MORE, FrontTls, HelloName, hello_server_name
 from gateway.upstream import Upstream, UpstreamFailed, UpstreamPolicy, open_upstream
 from sbxnet.accept import Acceptor
 from sbxnet.protocol.preamble import Preamble
@@ -43,6 +48,9 @@ from sbxnet.protocol.routes import Route
 from sbxnet.tls_stream import TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
+
+HELLO_PEEK = 65536  # bytes of ClientHello looked at; a longer one is read by the handshake as unreadable
+HELLO_POLL = 0.002  # peeked bytes keep the socket readable: wait this long for the rest of a split hello
 
 
 @dataclass
@@ -127,8 +135,22 @@ class GatewayServer:
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.handshake_timeout
             try:
-                client = await TlsStream.accept(sock, self.config.front.context, timeout=self.config.handshake_timeout)
+                ctx = self.config.front.context
+                if self.config.front.verifies_client_certs:
+                    async with asyncio.timeout_at(deadline):
+                        ctx = await self._handshake_context(sock)
+            except (OSError, TimeoutError):
+                sock.close()
+                self.metrics.handshake_failures.inc()
+                return
+            except BaseException:
+                sock.close()
+                raise
+            try:
+                client = await TlsStream.accept(sock, ctx, timeout=max(0.001, deadline - loop.time()))
             except (ssl.SSLError, OSError, TimeoutError):
                 self.metrics.handshake_failures.inc()
                 return
@@ -140,6 +162,25 @@ class GatewayServer:
             log.exception("internal error", extra={"event": "internal", "conn_id": conn_id})
         finally:
             self.metrics.connections.dec()
+
+    async def _handshake_context(self, sock: socket.socket) -> ssl.SSLContext:
+        """The context to make this connection from: the client-certificate one when its ClientHello names
+        a raw route whose auth is ``client_cert``, the listening one otherwise (HTTP, public raw routes, a
+        hello without SNI or one OpenSSL cannot read, which the handshake then refuses)."""
+        front = self.config.front
+        hello = await _peek_hello(sock)
+        if not isinstance(hello, HelloName):
+            return front.context
+        try:
+            name = self.config.names.parse_sni(hello.server_name)
+        except NameRefused:
+            return front.context
+        if name is None:
+            return front.context
+        decision = decide_connection(name, await self.route(name.sandbox))
+        if isinstance(decision, RawForward) and decision.require_client_cert:
+            return front.client_cert_context(hello.server_name)
+        return front.context
 
     async def _dispatch(self, client: TlsStream, peer: tuple[str, int], conn_id: str) -> None:
         names = self.config.names
@@ -162,8 +203,13 @@ class GatewayServer:
         await H1Session(self, client, peer, conn_name, bad_sni, conn_id).run()
 
     async def _raw(self, client: TlsStream, d: RawForward, peer: tuple[str, int], conn_id: str) -> None:
-        if d.require_client_cert:
-            self.metrics.refusals.labels("client_cert_unsupported").inc()
+        if d.require_client_cert and not self.config.front.client_cert_verified(client.ssl_object):
+            # The handshake asked for no certificate: no client CA is configured, or the route became
+            # client_cert between the ClientHello and now. Closed before anything goes upstream.
+            reason = "client_cert_required" if self.config.front.verifies_client_certs else "client_cert_unconfigured"
+            self.metrics.refusals.labels(reason).inc()
+            log.warning("raw route needs a client certificate; closed", extra={
+                "event": "tcp_refused", "reason": reason, "conn_id": conn_id, "sandbox_id": d.sandbox})
             client.abort()
             return
         route = d.route
@@ -265,6 +311,38 @@ class GatewayServer:
             self._per_sandbox[sandbox] = n
         else:
             self._per_sandbox.pop(sandbox, None)
+
+
+async def _peek_hello(sock: socket.socket) -> HelloName | str:
+    """Read the server name of the ClientHello waiting on ``sock`` without taking any byte off it (the
+    handshake reads them again). The caller bounds the wait; OSError if the peer resets."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            data = sock.recv(HELLO_PEEK, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            await _readable(loop, sock)
+            continue
+        if not data:
+            return "eof"
+        result = hello_server_name(data)
+        if result != NEED_MORE or len(data) >= HELLO_PEEK:
+            return result
+        await asyncio.sleep(HELLO_POLL)
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(sock.fileno())
 
 
 class _Truncated(Exception):

@@ -27,12 +27,15 @@ class GatewaySettings(BaseSettings):
     upstream_cert_file: FilePath = Field(description="the gateway's client certificate for the forwarder link")
     upstream_key_file: FilePath
     upstream_ca_file: FilePath = Field(description="CA the forwarders' certificates chain to (and are pinned)")
+    client_ca_file: FilePath | None = Field(
+        None, description="CA that client certificates for raw TCP routes with auth client_cert must chain to; "
+                          "without it such routes are closed after the handshake")
 
     handshake_timeout: float = Field(10.0, gt=0, le=120)
     header_timeout: float = Field(10.0, gt=0, le=300, description="a request head must be whole within this")
     idle_timeout: float = Field(75.0, gt=0, le=3600, description="an idle HTTP keep-alive connection")
     websocket_idle_timeout: float = Field(3600.0, gt=0, le=86400)
-    tcp_idle_timeout: float = Field(3600.0, gt=0, le=86400)
+    tcp_idle_timeout: float = Field(3600.0, gt=0, le=86400, description="a raw TCP route with no byte either way")
     max_header_bytes: int = Field(16384, ge=1024, le=1 << 20)
     max_connections: int = Field(10000, ge=1, le=1_000_000)
     max_connections_per_sandbox: int = Field(1000, ge=1, le=1_000_000)

@@ -1,4 +1,4 @@
-"""The gateway's client-facing TLS: several certificates chosen by SNI, ALPN, and reload.
+"""The gateway's client-facing TLS: several certificates chosen by SNI, ALPN, client certificates, reload.
 
 TLS 1.2 and 1.3 (public clients), no client certificate asked by default. One ``ssl.SSLContext`` per
 configured certificate; the listening context's SNI callback moves each connection onto the one
@@ -6,17 +6,28 @@ configured certificate; the listening context's SNI callback moves each connecti
 route's ``openssl s_client``, or an ``ssh`` ALPN) completes the handshake with no protocol selected,
 which is how raw TCP routes are told apart from HTTP ones after the handshake.
 
-``reload()`` loads every certificate again and swaps the whole set only if all of them load
-(``certs.loader.Reloadable``): a bad file keeps the old set serving.
+Client certificates (raw TCP routes whose auth is ``client_cert``), given a ``client_ca_file``: each
+certificate also gets a context that requires a client certificate chaining to that CA
+(``client_cert_context``). It has to be chosen before the handshake starts: OpenSSL copies whether to
+ask for a certificate from the context the connection's object is made from, and moving the object onto
+another context in the SNI callback changes the certificate presented but not that. So the caller reads
+the server name from the ClientHello first (``hello_server_name``: OpenSSL itself reads it, on a
+throw-away object fed the bytes the client sent, stopped in its SNI callback), looks the route up, and
+makes the connection from the context the route calls for. Only the connections of such routes are
+asked for a certificate; a browser on an HTTP route is never prompted for one.
+
+``reload()`` loads every certificate (and the client CA) again and swaps the whole set only if all of
+them load (``certs.loader.Reloadable``): a bad file keeps the old set serving.
 """
 
 from __future__ import annotations
 
 import ssl
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from cryptography import x509
 
@@ -36,6 +47,8 @@ class CertPair:
 class _Loaded:
     names: tuple[tuple[str, ...], ...]  # DNS SANs of each certificate, in configured order
     contexts: tuple[ssl.SSLContext, ...]
+    # The same certificates, each requiring a client certificate from the client CA; None without one.
+    client_cert_contexts: tuple[ssl.SSLContext, ...] | None
 
 
 def _dns_sans(cert_file: Path) -> tuple[str, ...]:
@@ -51,27 +64,43 @@ def _dns_sans(cert_file: Path) -> tuple[str, ...]:
     return names
 
 
-def _context(pair: CertPair, alpn: Sequence[str]) -> ssl.SSLContext:
+def _context(pair: CertPair, alpn: Sequence[str], client_ca: Path | None = None) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(certfile=str(pair.cert_file), keyfile=str(pair.key_file))
     ctx.set_alpn_protocols(list(alpn))
+    if client_ca is not None:
+        # OpenSSL checks the chain against this CA only, and (on a server) that the leaf may be a TLS
+        # client: an extended key usage without clientAuth is refused.
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cafile=str(client_ca))
     return ctx
 
 
-def _load(pairs: Sequence[CertPair], alpn: Sequence[str]) -> _Loaded:
+SniRecorder = Callable[[ssl.SSLObject | ssl.SSLSocket, str | None, ssl.SSLContext], None]
+
+
+def _load(pairs: Sequence[CertPair], alpn: Sequence[str], client_ca: Path | None, record: SniRecorder) -> _Loaded:
     if not pairs:
         raise ValueError("the gateway needs at least one certificate")
-    return _Loaded(tuple(_dns_sans(p.cert_file) for p in pairs), tuple(_context(p, alpn) for p in pairs))
+    client_cert_contexts = None
+    if client_ca is not None:
+        client_cert_contexts = tuple(_context(p, alpn, client_ca) for p in pairs)
+        for ctx in client_cert_contexts:
+            ctx.sni_callback = record  # chosen for this name already: only remember the name
+    return _Loaded(tuple(_dns_sans(p.cert_file) for p in pairs), tuple(_context(p, alpn) for p in pairs),
+                   client_cert_contexts)
 
 
 class FrontTls:
-    """The listening context (``context``) and the certificate set behind it."""
+    """The listening context (``context``), the client-certificate contexts, and the set behind them."""
 
-    def __init__(self, pairs: Sequence[CertPair], *, alpn: Sequence[str] = ALPN) -> None:
+    def __init__(self, pairs: Sequence[CertPair], *, alpn: Sequence[str] = ALPN,
+                 client_ca_file: Path | None = None) -> None:
         self._pairs = tuple(pairs)
         self.alpn = tuple(alpn)
-        self._set = Reloadable(lambda: _load(self._pairs, self.alpn))
+        self.client_ca_file = client_ca_file
+        self._set = Reloadable(lambda: _load(self._pairs, self.alpn, self.client_ca_file, self._record_sni))
         # The SNI each connection sent, by its SSL object: routing needs it after the handshake.
         self._server_names: weakref.WeakKeyDictionary[object, str | None] = weakref.WeakKeyDictionary()
         # The context the listener wraps with: the default certificate, and the SNI switch. It is never
@@ -83,10 +112,34 @@ class FrontTls:
     def names(self) -> tuple[tuple[str, ...], ...]:
         return self._set.current.names
 
+    @property
+    def verifies_client_certs(self) -> bool:
+        """Whether a client CA is configured (``client_cert_context`` may be asked for)."""
+        return self.client_ca_file is not None
+
     def _on_sni(self, obj: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _ctx: ssl.SSLContext) -> None:
         loaded = self._set.current
         self._server_names[obj] = server_name
         obj.context = loaded.contexts[choose(server_name, loaded.names)]
+
+    def _record_sni(self, obj: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _ctx: ssl.SSLContext) -> None:
+        self._server_names[obj] = server_name
+
+    def client_cert_context(self, server_name: str | None) -> ssl.SSLContext:
+        """The context for a connection to ``server_name`` that must present a client certificate chaining
+        to the client CA: the handshake fails without one (TLS 1.3 alert certificate_required, TLS 1.2
+        handshake_failure) or with one that does not verify (unknown_ca, certificate_expired...).
+        ValueError if no client CA is configured."""
+        loaded = self._set.current
+        if loaded.client_cert_contexts is None:
+            raise ValueError("no client_ca_file configured")
+        return loaded.client_cert_contexts[choose(server_name, loaded.names)]
+
+    @staticmethod
+    def client_cert_verified(obj: ssl.SSLObject) -> bool:
+        """Whether the client of this (finished) handshake presented a certificate that verified against
+        the client CA: only a client-certificate context asks for one, and it fails the handshake otherwise."""
+        return obj.context.verify_mode == ssl.CERT_REQUIRED and bool(obj.getpeercert())
 
     def server_name(self, obj: ssl.SSLObject | ssl.SSLSocket) -> str | None:
         """The server name (SNI) the client sent on the connection of ``obj``; None if it sent none."""
@@ -97,4 +150,60 @@ class FrontTls:
         return self._set.reload()
 
 
-__all__ = ["ALPN", "LOAD_ERRORS", "CertPair", "FrontTls"]
+# -- the server name before the handshake ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HelloName:
+    """The ClientHello was read: the server name it carries (None: it sent no SNI)."""
+
+    server_name: str | None
+
+
+NEED_MORE: Literal["need_more"] = "need_more"  # the ClientHello is not whole yet
+UNREADABLE: Literal["unreadable"] = "unreadable"  # OpenSSL refused the bytes before reaching the server name
+HelloResult = HelloName | Literal["need_more", "unreadable"]
+
+_probe_names: weakref.WeakKeyDictionary[object, str | None] = weakref.WeakKeyDictionary()
+
+
+def _stop_at_sni(obj: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _ctx: ssl.SSLContext) -> int:
+    _probe_names[obj] = server_name
+    return ssl.ALERT_DESCRIPTION_HANDSHAKE_FAILURE  # stop here: the probe never answers anyone
+
+
+def _probe_context() -> ssl.SSLContext:
+    # No certificate: OpenSSL calls the SNI callback before it picks one.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.sni_callback = _stop_at_sni
+    return ctx
+
+
+_PROBE = _probe_context()
+
+
+def hello_server_name(data: bytes) -> HelloResult:
+    """The server name in the ClientHello that ``data`` (what a client sent first) starts with.
+
+    OpenSSL parses it, with the same settings as the real handshake (TLS 1.2 at least): a throw-away server
+    object is fed ``data`` from memory and stopped in its SNI callback, and what it would send is dropped.
+    ``NEED_MORE`` while the ClientHello is incomplete; ``UNREADABLE`` when OpenSSL refuses the bytes before
+    the server name (not TLS, an old version, a malformed hello): the real handshake then fails the same way.
+    Never raises."""
+    incoming = ssl.MemoryBIO()
+    obj = _PROBE.wrap_bio(incoming, ssl.MemoryBIO(), server_side=True)
+    incoming.write(data)
+    try:
+        obj.do_handshake()
+    except ssl.SSLWantReadError:
+        return NEED_MORE
+    except ssl.SSLError:
+        pass
+    if obj in _probe_names:
+        return HelloName(_probe_names.pop(obj))
+    return UNREADABLE
+
+
+__all__ = ["ALPN", "LOAD_ERRORS", "NEED_MORE", "UNREADABLE", "CertPair", "FrontTls", "HelloName",
+           "hello_server_name"]
