@@ -38,7 +38,7 @@ from gateway.http1 import H1Session
 from gateway.http2 import H2Session
 from gateway.names import NameRefused, Names
 from gateway.route_cache import RouteCache
-from gateway.route_source import RouteSource, Waker, WakeRefused
+from gateway.route_source import RouteLookupFailed, RouteSource, Waker, WakeRefused
 from gateway.routing import Forward, RawForward, decide_connection
 from gateway.tls_front import NEED_MORE, FrontTls, HelloName, hello_server_name
 from gateway.upstream import Upstream, UpstreamFailed, UpstreamPolicy, open_upstream
@@ -91,6 +91,8 @@ class GatewayMetrics:
                                           registry=r)
         self.first_byte = Histogram("sbxnet_gateway_first_byte_seconds", "Request sent to response head", registry=r)
         self.wakes = Counter("sbxnet_gateway_wakes", "Wakes sent to the scheduler", registry=r)
+        self.rechecks = Counter("sbxnet_gateway_route_rechecks",
+                                "Routes looked up afresh after a failed connect", registry=r)
         self.cache = Counter("sbxnet_gateway_route_cache", "Route lookups by result", ["result"], registry=r)
 
 
@@ -177,7 +179,11 @@ class GatewayServer:
             return front.context
         if name is None:
             return front.context
-        decision = decide_connection(name, await self.route(name.sandbox))
+        try:
+            route = await self.route(name.sandbox)
+        except RouteLookupFailed:
+            return front.context  # the dispatch looks again and answers for it
+        decision = decide_connection(name, route)
         if isinstance(decision, RawForward) and decision.require_client_cert:
             return front.client_cert_context(hello.server_name)
         return front.context
@@ -192,7 +198,16 @@ class GatewayServer:
         except NameRefused:
             bad_sni = True
         if conn_name is not None and client.ssl_object.selected_alpn_protocol() is None:
-            route = await self.route(conn_name.sandbox)
+            try:
+                route = await self.route(conn_name.sandbox)
+            except RouteLookupFailed:
+                # Without the route it cannot be told whether this is a raw route; a client that offered
+                # no ALPN gets the raw answer to a failure: a close.
+                self.metrics.refusals.labels("route_lookup_failed").inc()
+                log.warning("route lookup failed; closed", extra={
+                    "event": "route_lookup_failed", "conn_id": conn_id, "sandbox_id": conn_name.sandbox})
+                client.abort()
+                return
             decision = decide_connection(conn_name, route)
             if isinstance(decision, RawForward):
                 await self._raw(client, decision, peer, conn_id)
@@ -288,7 +303,8 @@ class GatewayServer:
             connection_id=conn_id.encode(),
         )
         try:
-            up = await open_upstream(fwd.route, fwd.port, p, self.config.upstream)
+            up = await open_upstream(fwd.route, fwd.port, p, self.config.upstream,
+                                     recheck=lambda: self._recheck(fwd.sandbox, fwd.route))
         except UpstreamFailed as e:
             self.metrics.upstream_attempts.inc(e.attempts)
             raise
@@ -297,6 +313,23 @@ class GatewayServer:
         for why in up.failures:
             self.metrics.upstream_retries.labels(why).inc()
         return up
+
+    async def _recheck(self, sandbox: str, current: Route) -> Route | None:
+        """After a failed connect: the route afresh (the cached one may say active for a sandbox stopped
+        since, or name a host it left), woken if it is not active. ``current`` when nothing changed or the
+        scheduler cannot be asked (the retries go on as they were); None when the sandbox is gone."""
+        self.metrics.rechecks.inc()
+        self.invalidate(sandbox)
+        try:
+            route = await self.route(sandbox)
+            if route is None:
+                return None
+            if route.state != "active":
+                # Not woken in time (or too many waiting): go on with what we have until the deadline.
+                route = await self.wake(sandbox) or current
+        except RouteLookupFailed:
+            return current
+        return current if route == current else route
 
     def take_sandbox_slot(self, sandbox: str) -> bool:
         n = self._per_sandbox.get(sandbox, 0)
