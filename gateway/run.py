@@ -12,11 +12,26 @@ import signal
 import sys
 
 from gateway.route_source import StaticRoutes
+from gateway.scheduler_routes import SchedulerRoutes
 from gateway.server import GatewayConfig
 from gateway.settings import GatewaySettings
 from sbxnet import jsonlog
 
 log = logging.getLogger("sbxnet.gateway")
+
+
+def route_source(s: GatewaySettings) -> StaticRoutes | SchedulerRoutes:
+    """The routes file, or the scheduler's client (its certificate the link's unless set apart)."""
+    if s.routes_file is not None:
+        return StaticRoutes(s.routes_file)
+    from certs.loader import client_context
+
+    assert s.scheduler_url is not None
+    ctx = client_context(cert_file=s.scheduler_cert_file or s.upstream_cert_file,
+                         key_file=s.scheduler_key_file or s.upstream_key_file,
+                         ca_file=s.scheduler_ca_file or s.upstream_ca_file)
+    ctx.check_hostname = True  # the scheduler is one service reached by name: its certificate must name it
+    return SchedulerRoutes(s.scheduler_url, ctx, timeout_s=s.scheduler_timeout)
 
 
 def build_config(settings: GatewaySettings) -> GatewayConfig:
@@ -25,7 +40,6 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
     from certs.loader import client_context
     from gateway.auth import AuthConfig
     from gateway.names import Names
-    from gateway.route_source import StaticRoutes
     from gateway.tls_front import CertPair, FrontTls
     from gateway.upstream import UpstreamPolicy
 
@@ -34,7 +48,7 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
         names=Names(s.domain, listen_port=s.listen_port),
         front=FrontTls([CertPair(c, k) for c, k in zip(s.cert_files, s.key_files, strict=True)],
                        client_ca_file=s.client_ca_file),
-        routes=StaticRoutes(s.routes_file),
+        routes=route_source(s),
         upstream=UpstreamPolicy(
             client_context(cert_file=s.upstream_cert_file, key_file=s.upstream_key_file, ca_file=s.upstream_ca_file)
         ),
@@ -115,6 +129,8 @@ async def _main(settings: GatewaySettings) -> int:
     await stop.wait()
     log.info("draining", extra={"event": "draining", "fields": {"open": server.open_connections}})
     cut = await server.drain(settings.drain_timeout)
+    if isinstance(config.routes, SchedulerRoutes):
+        await config.routes.close()
     if ops:
         await ops.close()
     log.info("stopped", extra={"event": "stopped", "fields": {"cut": cut}})

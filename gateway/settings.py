@@ -23,7 +23,13 @@ class GatewaySettings(BaseSettings):
     cert_files: Annotated[list[FilePath], NoDecode] = Field(min_length=1, description="client-facing certificates")
     key_files: Annotated[list[FilePath], NoDecode] = Field(min_length=1, description="their keys, in the same order")
 
-    routes_file: FilePath = Field(description="registrations as JSON: {\"sandboxes\": {\"<id>\": {...}}}")
+    routes_file: FilePath | None = Field(
+        None, description="registrations as JSON: {\"sandboxes\": {\"<id>\": {...}}} (instead of a scheduler)")
+    scheduler_url: str | None = Field(None, description="the scheduler's API, https://host:port (instead of a file)")
+    scheduler_cert_file: FilePath | None = Field(None, description="client certificate for it (default upstream_*)")
+    scheduler_key_file: FilePath | None = None
+    scheduler_ca_file: FilePath | None = Field(None, description="CA its certificate chains to (default upstream_ca)")
+    scheduler_timeout: float = Field(2.0, gt=0, le=60, description="a route lookup's time-out")
     upstream_cert_file: FilePath = Field(description="the gateway's client certificate for the forwarder link")
     upstream_key_file: FilePath
     upstream_ca_file: FilePath = Field(description="CA the forwarders' certificates chain to (and are pinned)")
@@ -48,6 +54,30 @@ class GatewaySettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     _split = field_validator("cert_files", "key_files", mode="before")(split_list)
+
+    @field_validator("scheduler_url")
+    @classmethod
+    def _scheduler_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from urllib.parse import urlsplit
+
+        u = urlsplit(value)
+        if u.scheme != "https" or not u.hostname or u.query or u.fragment or u.username:
+            raise ValueError("https://host[:port][/path]: the scheduler is reached over mutual TLS")
+        try:
+            u.port  # noqa: B018 - parses it
+        except ValueError:
+            raise ValueError("the port must be a number 1..65535") from None
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_route_source(self) -> GatewaySettings:
+        if (self.routes_file is None) == (self.scheduler_url is None):
+            raise ValueError("set exactly one of routes_file and scheduler_url")
+        if (self.scheduler_cert_file is None) != (self.scheduler_key_file is None):
+            raise ValueError("scheduler_cert_file and scheduler_key_file go together")
+        return self
 
     @model_validator(mode="after")
     def _pairs(self) -> GatewaySettings:

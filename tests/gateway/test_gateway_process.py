@@ -80,6 +80,9 @@ def wait_ready(mport: int, proc: subprocess.Popen[bytes], timeout: float = 20) -
         ({"routes_file": '"/nonexistent/routes.json"'}, "gateway.routes_file"),
         ({"key_files": "[]"}, "gateway.key_files"),
         ({"workers": 4}, "gateway.workers = 4"),
+        ({"scheduler_url": '"https://127.0.0.1:8700"'}, "exactly one of routes_file and scheduler_url"),
+        ({"scheduler_url": '"http://127.0.0.1:8700"'}, "gateway.scheduler_url"),
+        ({"scheduler_url": '"https://127.0.0.1:99999"'}, "gateway.scheduler_url"),
     ],
 )
 def test_each_bad_setting_is_named_and_exits_2(tmp_path: Path, pki: Pki, backend: Any, extra: dict[str, Any],
