@@ -1,0 +1,236 @@
+"""The gateway on the reference scheduler: routes looked up over mutual TLS (``SchedulerRoutes``), unknown
+sandboxes 404, the scheduler down 503 with nothing cached, and scale to zero and back: a sandbox the
+platform's driver stopped is woken by the requests that arrive for it — 50 at once cause one start, and
+every one is answered. Real parts throughout: the scheduler's API on SQLite, a webhook receiver acting as
+the platform's driver (it stops and starts the sandbox's program), a forwarder, the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import ssl
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from gw_support import DOMAIN, EchoHttp, GatewayThread, forwarder_settings, registration
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scheduler"))  # sched_support
+from fwd_support import ForwarderThread, Pki  # noqa: E402  (gw_support put it on the path)
+from sched_support import Client, Platform, SchedulerApp, wait_for  # noqa: E402
+
+from certs.loader import client_context  # noqa: E402
+from certs.mint import mint_leaf, write_issued  # noqa: E402
+from gateway.route_source import RouteLookupFailed  # noqa: E402
+from gateway.scheduler_routes import SchedulerRoutes  # noqa: E402
+from scheduler.sqlite_store import SqliteStore  # noqa: E402
+
+GATEWAY_SAN = "spiffe://sbxnet.test/gateway"
+
+
+def sched_pki(pki: Pki) -> dict[str, Path]:
+    """The scheduler's certificate from the same CA, in the shape sched_support takes."""
+    cert, key = write_issued(mint_leaf(pki.ca, "scheduler", dns=("localhost",), ips=("127.0.0.1",), server=True),
+                             pki.dir, "scheduler")
+    return {"ca": pki.ca_file, "scheduler": cert, "scheduler_key": key}
+
+
+def gateway_client_ctx(pki: Pki) -> ssl.SSLContext:
+    cert, key = pki.paths["gateway"]
+    ctx = client_context(cert_file=cert, key_file=key, ca_file=pki.ca_file)
+    ctx.check_hostname = True  # the scheduler is reached by name or address, not pinned
+    return ctx
+
+
+class Chain:
+    def __init__(self, pki: Pki, sched: SchedulerApp, fwd: ForwarderThread, gw: GatewayThread) -> None:
+        self.pki, self.sched, self.fwd, self.gw = pki, sched, fwd, gw
+        self.client = Client(sched)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def get(self, host: str, path: str = "/") -> tuple[int, bytes]:
+        """One request through the gateway, as a browser for ``host`` would send it (SNI and Host)."""
+        if self._session is None:
+            ctx = ssl.create_default_context(cafile=str(self.pki.ca_file))
+            ctx.set_alpn_protocols(["http/1.1"])  # as a browser does: an HTTP route, whatever the lookup says
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=0),
+                                                  timeout=aiohttp.ClientTimeout(total=30))
+        async with self._session.get(f"https://127.0.0.1:{self.gw.port}{path}", headers={"Host": host},
+                                     server_hostname=host) as resp:
+            return resp.status, await resp.read()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        await self.client.close()
+
+
+def no_alpn_read(c: Chain, host: str) -> bytes:
+    """A client that offers no ALPN (as a raw-route client does): what it reads after sending a line."""
+    ctx = ssl.create_default_context(cafile=str(c.pki.ca_file))
+    import socket
+
+    with socket.create_connection(("127.0.0.1", c.gw.port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname=host) as tls:
+        try:
+            tls.sendall(b"hello\n")
+            return tls.recv(100)
+        except (ssl.SSLError, ConnectionError):
+            return b""
+
+
+@pytest.fixture
+async def chain(pki: Pki, tmp_path: Path) -> AsyncIterator[Chain]:
+    platform = await Platform().start()
+    sched = await SchedulerApp(lambda: SqliteStore(tmp_path / "s.db"), sched_pki(pki), webhook_url=platform.url,
+                               gateway_allow=(GATEWAY_SAN,)).start()
+    fwd = ForwarderThread(forwarder_settings(pki))
+    url, ctx = sched.url, gateway_client_ctx(pki)
+    gw = GatewayThread(pki, None, routes=lambda: SchedulerRoutes(url, ctx), header_timeout=2.0, wake_wait=10.0)
+    c = Chain(pki, sched, fwd, gw)
+    c.platform = platform  # type: ignore[attr-defined]
+    try:
+        yield c
+    finally:
+        await c.close()
+        await asyncio.to_thread(gw.stop)
+        await asyncio.to_thread(fwd.stop)
+        await sched.stop()
+        await platform.stop()
+
+
+async def register(c: Chain, sid: str, app_port: int, **over: Any) -> None:
+    body = registration(c.pki, c.fwd.port, {app_port: ("http", "public")}, default=app_port)
+    body.update(over)
+    status, doc = await c.client.admin("PUT", f"/v1/sandboxes/{sid}", body)
+    assert status in (200, 201), doc
+
+
+async def test_routes_come_from_the_scheduler(chain: Chain) -> None:
+    app = EchoHttp()
+    try:
+        await register(chain, "alpha", app.port)
+        status, body = await chain.get(f"alpha.{DOMAIN}", "/hi")
+        assert status == 200 and json.loads(body)["path"] == "/hi"
+        status, body = await chain.get(f"nobody.{DOMAIN}")
+        assert status == 404
+        # Removed from the registry: unknown once the cached route expires (max-age=2).
+        assert (await chain.client.admin("DELETE", "/v1/sandboxes/alpha"))[0] == 200
+        await asyncio.sleep(2.2)
+        assert (await chain.get(f"alpha.{DOMAIN}"))[0] == 404
+    finally:
+        app.stop()
+
+
+async def test_the_scheduler_down_is_503_and_nothing_is_cached(chain: Chain) -> None:
+    app = EchoHttp()
+    try:
+        await register(chain, "alpha", app.port)
+        await chain.sched.stop()
+        await asyncio.sleep(2.2)  # the route cached by an earlier lookup (none here) would have expired
+        status, body = await chain.get(f"alpha.{DOMAIN}")
+        assert status == 503 and b"route service is unavailable" in body
+        assert await asyncio.to_thread(no_alpn_read, chain, f"alpha.{DOMAIN}") == b""  # could be raw: closed
+        await chain.sched.start()
+        status, _ = await chain.get(f"alpha.{DOMAIN}")
+        assert status == 200
+    finally:
+        app.stop()
+
+
+async def test_scale_to_zero_and_back_with_one_wake_for_fifty_requests(chain: Chain) -> None:
+    platform: Platform = chain.platform  # type: ignore[attr-defined]
+    app: list[EchoHttp] = [EchoHttp()]
+    port = app[0].port
+    starts: list[float] = []
+
+    async def driver(ev: dict[str, Any]) -> None:
+        """The platform: stop the program when the sandbox goes idle, start it again on a wake."""
+        sid = ev["sandbox"]
+        if ev["to"] == "idle":
+            status, doc = await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "stopping"})
+            if doc.get("proceed"):
+                await asyncio.to_thread(app[0].stop)
+                await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "stopped"})
+        elif ev["to"] == "waking":
+            starts.append(time.monotonic())
+            await asyncio.sleep(0.3)  # the program takes a while to start
+            app[0] = EchoHttp(port)
+            await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "ready"})
+
+    platform.on_event = driver
+    try:
+        await register(chain, "sleepy", port, idle_period_s=0.5)
+        assert (await chain.get(f"sleepy.{DOMAIN}"))[0] == 200
+        sched = chain.sched
+        await wait_for(lambda: sched.service is not None and sched.service.core.state_of("sleepy") == "stopped",
+                       10.0, "stopped by the driver")
+        # No forwarder feed here to say the wake's traffic is activity: a longer period keeps the woken
+        # sandbox from idling again mid-test (the same incarnation keeps its state: stopped).
+        await register(chain, "sleepy", port, idle_period_s=60)
+        t0 = time.monotonic()
+        async def timed(i: int) -> tuple[int, bytes]:
+            t = time.monotonic()
+            status, body = await chain.get(f"sleepy.{DOMAIN}", f"/r{i}")
+            return status, body + f" after {time.monotonic() - t:.2f}s start {t - t0:.2f}".encode()
+
+        answers = await asyncio.gather(*(timed(i) for i in range(50)))
+        answers = [(s, b.rsplit(b" after ", 1)[0] if s == 200 else b) for s, b in answers]
+        elapsed = time.monotonic() - t0
+        assert [s for s, _ in answers] == [200] * 50, {b for s, b in answers if s != 200}
+        assert sorted(json.loads(b)["path"] for _, b in answers) == sorted(f"/r{i}" for i in range(50))
+        assert len(starts) == 1, "one start for fifty requests"
+        assert [e["to"] for e in platform.events] == ["idle", "waking"]
+        assert chain.gw.sample("sbxnet_gateway_wakes_total") == 1
+        assert elapsed < 10.0
+        status, doc = await chain.client.admin("GET", "/v1/sandboxes/sleepy")
+        assert doc["state"] == "active"
+    finally:
+        app[0].stop()
+
+
+async def test_scheduler_routes_client_answers(pki: Pki, tmp_path: Path) -> None:
+    """The client alone: found with the TTL the scheduler gave, unknown, woken, and every failure one
+    RouteLookupFailed (unreachable, another CA, a certificate the scheduler does not take as a gateway's)."""
+    sched = await SchedulerApp(lambda: SqliteStore(tmp_path / "s.db"), sched_pki(pki),
+                               gateway_allow=(GATEWAY_SAN,), route_cache_s=7, negative_cache_s=3).start()
+    client = Client(sched)
+    routes = SchedulerRoutes(sched.url, gateway_client_ctx(pki), timeout_s=2.0)
+    try:
+        body = registration(pki, 8443, {8080: ("http", "token")}, default=8080)
+        assert (await client.admin("PUT", "/v1/sandboxes/alpha", body))[0] == 201
+        found = await routes.lookup("alpha")
+        assert found.ttl == 7 and found.route is not None and found.route.sandbox == "alpha"
+        assert found.route.token_sha256 == hashlib.sha256(b"s3cret-token").hexdigest()
+        missing = await routes.lookup("nobody")
+        assert (missing.route, missing.ttl) == (None, 3)
+        assert await routes.wake("alpha", 1.0) == "active"
+        assert await routes.wake("nobody", 1.0) == "unknown"
+        other_cert, other_key = write_issued(mint_leaf(pki.ca, "not-a-gateway", uris=("spiffe://sbxnet.test/x",),
+                                                       server=False, client=True), pki.dir, "not-a-gateway")
+        forwarder_ctx = client_context(cert_file=other_cert, key_file=other_key, ca_file=pki.ca_file)
+        not_gateway = SchedulerRoutes(sched.url, forwarder_ctx)
+        with pytest.raises(RouteLookupFailed) as refused:
+            await not_gateway.lookup("alpha")
+        assert refused.value.reason == "status_403"
+        await not_gateway.close()
+        other = ssl.create_default_context()  # the system's CAs: the scheduler's certificate is not theirs
+        stranger = SchedulerRoutes(sched.url, other)
+        with pytest.raises(RouteLookupFailed) as untrusted:
+            await stranger.lookup("alpha")
+        assert untrusted.value.reason == "unreachable"
+        await stranger.close()
+        await sched.stop()
+        with pytest.raises(RouteLookupFailed) as down:
+            await routes.lookup("alpha")
+        assert down.value.reason == "unreachable"
+        assert routes.failures == {"unreachable": 1}
+    finally:
+        await routes.close()
+        await client.close()
+        await sched.stop()
