@@ -346,10 +346,20 @@ def sync_core(core: TimerCore, sandboxes: Collection[str], rows: Mapping[str, St
         if row is None:
             core.remove(sid)
             continue
-        config = row.config()
-        if sid in core and core.config(sid) == config and core.snapshot(sid) == row.state:
+        if sid in core and _same_config(core.config(sid), row) and core.snapshot(sid) == row.state:
             continue  # the common case with one writer: leave its heap entry where it is
-        core.restore(config, row.state)
+        core.restore(row.config(), row.state)
+
+
+def _same_config(c: SandboxConfig, row: StoredSandbox) -> bool:
+    """``c == row.config()`` without building one (this runs for every sandbox of every batch)."""
+    r = row.registration
+    return (
+        c.incarnation == r.incarnation
+        and c.idle_period_s == r.idle_period_s
+        and c.activity == r.activity
+        and c.registered_at == row.registered_at
+    )
 
 
 class CoreAhead(StoreError):
