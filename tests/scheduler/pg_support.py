@@ -45,7 +45,11 @@ def _free_port() -> int:
 
 
 class PgServer:
-    def __init__(self) -> None:
+    """One cluster. ``fsync`` off by default: the tests need no durability, and it is faster (a benchmark
+    that reports commit costs turns it on)."""
+
+    def __init__(self, *, fsync: bool = False) -> None:
+        self.fsync = fsync
         self.bindir = _bindir()
         self.port = _free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="sbxnet-pg-"))
@@ -71,7 +75,8 @@ class PgServer:
 
     def resume(self) -> PgServer:
         """Start the server on its data directory (after ``start`` made it, or after ``halt``)."""
-        opts = f"-h 127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off -c max_connections=50"
+        fsync = "on" if self.fsync else "off"
+        opts = f"-h 127.0.0.1 -p {self.port} -k {self.dir} -c fsync={fsync} -c max_connections=50"
         log = str(self.dir / "log")
         r = self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", log, "-w", "-t", "60", "start")
         if r.returncode:
