@@ -199,10 +199,12 @@ class Outbox:
             if self._pending_since is None:
                 self._pending_since = now
 
-    def next_batch(self, now: float) -> Batch | None:
+    def next_batch(self, now: float, *, ignore_backoff: bool = False) -> Batch | None:
         """The batch to send now (then POST ``in_flight_body``), or None: one is awaiting its answer, the
-        backoff has not run out, or there is nothing to report."""
-        if self._awaiting or now < self._retry_at:
+        backoff has not run out, or there is nothing to report. ``ignore_backoff``: the last attempt of a
+        process that is stopping (what it does not send now is lost), so the backoff's wait does not apply;
+        a failure still counts and backs off as usual."""
+        if self._awaiting or (now < self._retry_at and not ignore_backoff):
             return None
         if self._flight is None:
             if not self._pending:

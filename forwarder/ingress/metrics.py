@@ -62,3 +62,38 @@ class ForwarderMetrics:
             registry=r,
         )
         self.reloads = Counter("sbxnet_forwarder_cert_reloads", "Certificate reloads by result", ["result"], registry=r)
+        # The idle feed (feed_reporter.py). Each worker reports on its own stream; the gauges sum (or take
+        # the largest) over the live workers.
+        self.feed_posts = Counter(
+            "sbxnet_forwarder_feed_posts",
+            "Feed POSTs by result: ok, replay, gap, stale_epoch, mismatch, or why it failed (timeout, connect, "
+            "tls, http_<status>, bad_answer_<reason>, stopped)",
+            ["result"],
+            registry=r,
+        )
+        self.feed_resends = Counter(
+            "sbxnet_forwarder_feed_resends",
+            "Feed POSTs that resent a batch already sent (after a failure: the same epoch, seq and body)",
+            registry=r,
+        )
+        self.feed_lag = Gauge(
+            "sbxnet_forwarder_feed_lag_seconds",
+            "Age of the oldest delta the scheduler has not acknowledged (0: all acknowledged)",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.feed_pending = Gauge(
+            "sbxnet_forwarder_feed_pending_sandboxes",
+            "Sandboxes with deltas waiting for the next batch (the outbox)",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.feed_in_flight = Gauge(
+            "sbxnet_forwarder_feed_in_flight_sandboxes",
+            "Sandboxes in the batch sent and not yet acknowledged",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.feed_epochs = Counter(
+            "sbxnet_forwarder_feed_epochs", "Feed epochs started (one at each start, one after each 409)", registry=r
+        )
