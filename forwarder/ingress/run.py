@@ -3,6 +3,10 @@
 SIGTERM and SIGINT drain (stop accepting, let live connections finish up to ``drain_timeout``);
 SIGHUP reloads certificates without touching live connections. With ``workers`` > 1 the supervisor
 in ``forwarder.ingress.workers`` starts that many of these processes on one port (SO_REUSEPORT).
+
+With ``feed_url`` set, each process runs the idle feed's reporter (``feed_reporter.py``) over its own
+meter, on its own stream (the worker's index; 0 for a single process), from when the listener is up
+until after the drain: the bytes of connections that finish while draining are reported too.
 """
 
 from __future__ import annotations
@@ -12,10 +16,15 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from certs import loader
 from forwarder.ingress.settings import ForwarderSettings
 from sbxnet import jsonlog
+
+if TYPE_CHECKING:
+    from forwarder.ingress.feed_reporter import FeedReporter
+    from forwarder.ingress.server import ForwarderServer
 
 log = logging.getLogger("sbxnet.forwarder")
 
@@ -38,6 +47,21 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
     except loader.LOAD_ERRORS as e:
         print(f"forwarder: cannot load the TLS material ({e}); check cert_file, key_file and ca_file", file=sys.stderr)
         return 2
+    if settings.feed_url is not None:
+        from forwarder.ingress.feed_reporter import MAX_STREAM, feed_ssl_context
+
+        try:
+            feed_ssl_context(settings)
+        except loader.LOAD_ERRORS as e:
+            print(
+                f"forwarder: cannot load the feed's TLS material ({e}); check feed_cert_file, feed_key_file and "
+                "feed_ca_file (by default cert_file, key_file and ca_file)",
+                file=sys.stderr,
+            )
+            return 2
+        if workers > MAX_STREAM + 1:
+            print(f"forwarder: workers = {workers}: at most {MAX_STREAM + 1} can report on the feed", file=sys.stderr)
+            return 2
     if check_only:
         print("forwarder: settings and certificates are valid")
         return 0
@@ -48,13 +72,13 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
     return run_single(settings)
 
 
-def run_single(settings: ForwarderSettings, *, reuse_port: bool = False, ops: bool = True) -> int:
+def run_single(settings: ForwarderSettings, *, reuse_port: bool = False, ops: bool = True, stream: int = 0) -> int:
     import uvloop
 
-    return uvloop.run(_main(settings, reuse_port=reuse_port, ops=ops))
+    return uvloop.run(_main(settings, reuse_port=reuse_port, ops=ops, stream=stream))
 
 
-async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> int:
+async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, stream: int) -> int:
     from prometheus_client import generate_latest
 
     from forwarder.ingress.server import ForwarderServer
@@ -87,15 +111,47 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool) -> 
         if ops_server:
             await ops_server.close()
         return 1
+    reporter = None
+    if settings.feed_url is not None:
+        from forwarder.ingress.feed_reporter import reporter_for
+
+        # Made here, in this process: its epoch is this process's own (a worker's, after the fork).
+        reporter = reporter_for(settings, server.meter, stream=stream, metrics=server.metrics)
+        assert reporter is not None
+        reporter.start()
+
+    def reload() -> None:
+        server.reload()
+        if reporter is not None:
+            _reload_feed(settings, server, reporter)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, server.reload)
+    loop.add_signal_handler(signal.SIGHUP, reload)
     await stop.wait()
     cut = await server.drain()
+    if reporter is not None:
+        # After the drain, so what the last connections moved is in the final report.
+        await reporter.stop(final_timeout=settings.feed_request_timeout)
     if ops_server:
         await ops_server.close()
     log.info("stopped", extra={"event": "stopped", "fields": {"cut": cut}})
     return 0
+
+
+def _reload_feed(settings: ForwarderSettings, server: ForwarderServer, reporter: FeedReporter) -> None:
+    from forwarder.ingress.feed_reporter import feed_ssl_context
+
+    try:
+        ctx = feed_ssl_context(settings)
+    except loader.LOAD_ERRORS as e:
+        server.metrics.reloads.labels("feed_failed").inc()
+        log.error(
+            "feed certificate reload failed; keeping the current ones",
+            extra={"event": "feed_reload_failed", "reason": type(e).__name__, "fields": {"error": str(e)}},
+        )
+        return
+    reporter.set_ssl_context(ctx)
+    server.metrics.reloads.labels("feed_ok").inc()

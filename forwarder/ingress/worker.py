@@ -1,4 +1,5 @@
-"""Entry point of one worker process: settings arrive as JSON on stdin from the supervisor."""
+"""Entry point of one worker process: settings arrive as JSON on stdin from the supervisor, the worker's
+index (its stream on the idle feed) as the one argument."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from sbxnet import jsonlog
 def main() -> int:
     settings = ForwarderSettings(**json.loads(sys.stdin.read()))
     jsonlog.setup(settings.log_level)
-    return run_single(settings, reuse_port=True, ops=False)
+    return run_single(settings, reuse_port=True, ops=False, stream=int(sys.argv[1]))
 
 
 if __name__ == "__main__":

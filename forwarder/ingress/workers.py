@@ -4,6 +4,9 @@ The supervisor checks that nobody else holds the port (a bind without SO_REUSEPO
 using SO_REUSEPORT could otherwise silently take a share of our connections), starts the workers,
 serves the ops endpoints with metrics summed over the workers (prometheus_client's multiprocess mode),
 forwards SIGHUP, turns SIGTERM into a drain of every worker, and restarts a worker that dies.
+
+Worker ``i`` (0..workers-1) reports on the idle feed's stream ``i``; a worker started in place of one that
+died takes its index, so the stream goes on under a new epoch (docs/scheduler-api.md, "The idle feed").
 """
 
 from __future__ import annotations
@@ -69,16 +72,20 @@ class _Supervisor:
         self.n = n
         self.metrics_dir = metrics_dir
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.index: dict[int, int] = {}  # pid -> the worker's index (its feed stream)
         self.restarts: list[float] = []
         self.stopping = False
 
-    def _spawn(self) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "forwarder.ingress.worker"], stdin=subprocess.PIPE)
+    def _spawn(self, index: int) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forwarder.ingress.worker", str(index)], stdin=subprocess.PIPE
+        )
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(self.settings.model_dump(mode="json")).encode())
         proc.stdin.close()
         self.procs[proc.pid] = proc
-        log.info("worker started", extra={"event": "worker_started", "pid": proc.pid})
+        self.index[proc.pid] = index
+        log.info("worker started", extra={"event": "worker_started", "pid": proc.pid, "fields": {"index": index}})
 
     def _signal_all(self, sig: int) -> None:
         for proc in self.procs.values():
@@ -95,8 +102,8 @@ class _Supervisor:
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=self.metrics_dir)
-        for _ in range(self.n):
-            self._spawn()
+        for index in range(self.n):
+            self._spawn(index)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -126,6 +133,7 @@ class _Supervisor:
                 if code is None:
                     continue
                 del self.procs[pid]
+                index = self.index.pop(pid)
                 multiprocess.mark_process_dead(pid, self.metrics_dir)
                 now = time.monotonic()
                 self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
@@ -140,10 +148,11 @@ class _Supervisor:
                     stop.set()
                     rc = 1
                 else:
-                    self._spawn()
+                    self._spawn(index)
         self.stopping = True
         self._signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + s.drain_timeout + 5
+        # A worker drains, then makes its last feed report (bounded by feed_request_timeout).
+        deadline = time.monotonic() + s.drain_timeout + (s.feed_request_timeout if s.feed_url else 0) + 5
         while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self._signal_all(signal.SIGKILL)
