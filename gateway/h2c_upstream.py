@@ -91,6 +91,45 @@ Event = Head | Data | Trailers | End | Reset | Broken
 _END = End()
 
 
+class FrameSizeGuard:
+    """Refuses an HTTP/2 frame over the size limit as soon as its 9-byte header is in.
+
+    h2 (4.4) checks a frame's length only once the whole frame has arrived (``FrameBuffer``), so a peer
+    that claims a 16 MiB frame is buffered that far before it is refused, and a peer that is not speaking
+    HTTP/2 at all (an SSH banner reads as a 5 MB frame header) holds its streams until it sends 5 MB. This
+    walks the frame boundaries (RFC 9113 4.1: a 24-bit length, then 6 more header bytes, then the payload)
+    and reads nothing but the lengths; h2 still parses everything. ``skip`` bytes come before the first
+    frame (a client's 24-byte connection preface, which h2 checks itself). Pure: bytes in, a verdict out."""
+
+    def __init__(self, *, skip: int = 0) -> None:
+        self._skip = skip
+        self._need = 0  # payload bytes of the current frame still to come
+        self._head = bytearray()
+
+    def feed(self, data: bytes, limit: int) -> bool:
+        """Account for ``data``; False when a frame header in it names a payload over ``limit`` bytes."""
+        n = len(data)
+        i = 0
+        while i < n:
+            if self._skip:
+                k = min(self._skip, n - i)
+                self._skip -= k
+            elif self._need:
+                k = min(self._need, n - i)
+                self._need -= k
+            else:
+                k = min(9 - len(self._head), n - i)
+                self._head += data[i : i + k]
+                if len(self._head) == 9:
+                    length = int.from_bytes(self._head[:3], "big")
+                    self._head.clear()
+                    if length > limit:
+                        return False
+                    self._need = length
+            i += k
+        return True
+
+
 class H2cUnusable(Exception):
     """The connection takes no new stream (GOAWAY, closed, broken): open another."""
 
@@ -203,6 +242,7 @@ class H2cConnection:
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: max_header_list,
         })
         self.streams: dict[int, H2cStream] = {}
+        self._guard = FrameSizeGuard()
         self.dead: str | None = None  # why the connection is gone (a stable token), once it is
         self.goaway = False
         self._write_lock = asyncio.Lock()
@@ -217,9 +257,13 @@ class H2cConnection:
         """Send the preface and our SETTINGS; start reading."""
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
-        if self._leftover:  # the app's SETTINGS may have come with the forwarder's OK
-            self._receive(self._leftover)
-            self._leftover = b""
+        leftover, self._leftover = self._leftover, b""
+        # The app's SETTINGS may have come with the forwarder's OK.
+        if leftover and not self._receive(leftover):
+            with contextlib.suppress(H2cUnusable):
+                await self.flush()  # our GOAWAY
+            self._break("upstream_protocol_error")
+            return
         await self.flush()
         self._reader = asyncio.create_task(self._read_loop())
 
@@ -339,6 +383,11 @@ class H2cConnection:
 
     def _receive(self, data: bytes) -> bool:
         """Feed the app's bytes to h2 and route the events; False if the app broke HTTP/2."""
+        if not self._guard.feed(data, self.h2.max_inbound_frame_size):
+            log.debug("h2c upstream: a frame over %d bytes", self.h2.max_inbound_frame_size)
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.h2.close_connection(error_code=h2.errors.ErrorCodes.FRAME_SIZE_ERROR)
+            return False
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import select
@@ -29,10 +30,13 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import pytest
-from fwd_support import ForwarderThread, Pki
+from fwd_support import ForwarderThread, Pki, SandboxApp
 from gw_support import DOMAIN, GatewayThread, forwarder_settings, registration
+from hyperframe.frame import DataFrame, GoAwayFrame, HeadersFrame, PingFrame, SettingsFrame, WindowUpdateFrame
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gateway.h2c_upstream import STREAM_WINDOW
+from gateway.h2c_upstream import STREAM_WINDOW, FrameSizeGuard
 
 Codes = h2.errors.ErrorCodes
 
@@ -354,11 +358,20 @@ def h2c_stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
     fwd = ForwarderThread(forwarder_settings(pki))
     app = H2App()
     narrow = H2App(max_streams=2)
+
+    def banner(conn: socket.socket) -> None:  # not HTTP/2 at all: speaks first, then reads until closed
+        conn.sendall(b"SSH-2.0-OpenSSH_9.2 not-http\r\n")
+        with contextlib.suppress(OSError):
+            while conn.recv(65536):
+                pass
+
+    talker = SandboxApp(banner)
     routes = tmp_path_factory.mktemp("h2c-routes") / "routes.json"
     routes.write_text(json.dumps({"sandboxes": {
         "h2app": registration(pki, fwd.port, {app.port: ("h2c", "public")}, default=app.port),
         "other": registration(pki, fwd.port, {app.port: ("h2c", "public")}, default=app.port),
         "narrow": registration(pki, fwd.port, {narrow.port: ("h2c", "public")}, default=narrow.port),
+        "talker": registration(pki, fwd.port, {talker.port: ("h2c", "public")}, default=talker.port),
     }}))
     gw = GatewayThread(pki, routes, header_timeout=2.0, idle_timeout=10.0)
     yield {"gw": gw, "fwd": fwd, "app": app, "narrow": narrow, "pki": pki, "tasks": _gateway_tasks(gw)}
@@ -366,6 +379,7 @@ def h2c_stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
     fwd.stop()
     app.stop()
     narrow.stop()
+    talker.close()
 
 
 @pytest.fixture
@@ -614,3 +628,75 @@ def test_streams_wait_for_room_under_the_apps_concurrency_limit(s: dict[str, Any
     assert narrow.most_open == 2
     assert narrow.accepted == 1
     assert narrow.errors == []
+
+
+def test_an_app_that_is_not_http2_is_502_and_the_connection_goes_on(s: dict[str, Any]) -> None:
+    """A port registered as h2c whose app speaks something else first (here an SSH banner, which may come
+    with the forwarder's OK or after it): 502 on that stream, and the client connection serves the next."""
+    name = f"talker.{DOMAIN}"
+    with client(s, name) as c:
+        c.request(1, name, "/")
+        c.done(1)
+        assert c.st[1]["headers"][":status"] == "502"
+        c.request(3, name, "/")
+        c.done(3)
+        assert c.st[3]["headers"][":status"] == "502"
+
+
+# -- the frame size guard, on its own -----------------------------------------------------------------
+
+_FRAME_TYPES = st.sampled_from(["data", "headers", "ping", "window", "settings", "goaway"])
+
+
+def _frame(kind: str, size: int, stream_id: int) -> bytes:
+    """One valid frame, serialised by hyperframe (the oracle: an encoder that is not the guard's)."""
+    if kind == "data":
+        return DataFrame(stream_id, data=b"d" * size).serialize()
+    if kind == "ping":
+        return PingFrame(0, opaque_data=b"p" * 8).serialize()
+    if kind == "window":
+        return WindowUpdateFrame(stream_id, window_increment=1 + size).serialize()
+    if kind == "settings":
+        return SettingsFrame(0, settings={SettingsFrame.MAX_CONCURRENT_STREAMS: size}).serialize()
+    if kind == "headers":
+        return HeadersFrame(stream_id, data=b"h" * size).serialize()
+    return GoAwayFrame(0, last_stream_id=stream_id, additional_data=b"g" * max(0, size - 8)).serialize()
+
+
+def _pieces(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(frames=st.lists(st.tuples(_FRAME_TYPES, st.integers(0, 16384), st.integers(1, 99)), max_size=12),
+       cuts=st.lists(st.integers(0, 1 << 20), max_size=30), skip=st.sampled_from([0, 24]),
+       over=st.integers(16385, (1 << 24) - 1))
+def test_the_guard_passes_every_frame_within_the_limit_and_stops_at_the_first_over_it(
+        frames: list[tuple[str, int, int]], cuts: list[int], skip: int, over: int) -> None:
+    good = b"P" * skip + b"".join(_frame(k, n, sid) for k, n, sid in frames)
+    bad_head = over.to_bytes(3, "big") + b"\x00\x00\x00\x00\x00\x01"  # a DATA header naming ``over`` bytes
+    stream = good + bad_head + b"x" * 100
+    guard = FrameSizeGuard(skip=skip)
+    fed = 0
+    verdicts = []
+    for piece in _pieces(stream, cuts):
+        ok = guard.feed(piece, 16384)
+        fed += len(piece)
+        verdicts.append(ok)
+        if not ok:
+            break
+    assert verdicts[-1] is False, "the oversized header was not refused"
+    assert all(verdicts[:-1])
+    # Refused in the piece that completed the bad header, never before it was whole.
+    assert len(good) + 9 <= fed < len(good) + 9 + len(_pieces(stream, cuts)[len(verdicts) - 1])
+
+
+def test_the_guard_refuses_a_banner_at_once_and_passes_a_frame_at_the_limit() -> None:
+    assert FrameSizeGuard().feed(b"SSH-2.0-OpenSSH_9.2\r\n", 16384) is False
+    g = FrameSizeGuard()
+    assert g.feed(_frame("data", 16384, 1), 16384)
+    assert g.feed(_frame("data", 0, 1), 16384)
+    assert g.feed(b"\x00\x40\x01", 16384) is True  # half a header over the limit: not judged yet
+    assert g.feed(b"\x00\x00\x00\x00\x00\x01", 16384) is False
+
