@@ -64,6 +64,7 @@ from sbxnet.tls_stream import TlsStream
 log = logging.getLogger("sbxnet.gateway")
 
 MAX_CONCURRENT_STREAMS = 100
+_CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 3.4
 STREAM_WINDOW = 1 << 20  # what a client may send on one stream before we acknowledge it
 CONNECTION_WINDOW = 4 << 20
 # Headers that mean something for one HTTP/1.1 connection only, never sent as HTTP/2 (RFC 9113 8.2.2).
@@ -118,6 +119,7 @@ class H2Session:
         config = h2.config.H2Configuration(client_side=False, header_encoding=None,
                                            validate_inbound_headers=True, validate_outbound_headers=True)
         self.h2 = h2.connection.H2Connection(config=config)
+        self._guard = h2c.FrameSizeGuard(skip=len(_CLIENT_PREFACE))  # h2 checks the preface itself
         self.streams: dict[int, _Stream] = {}
         self._write_lock = asyncio.Lock()
         self._gone = False
@@ -164,6 +166,12 @@ class H2Session:
                     return
                 first = False
                 if not data:
+                    return
+                if not self._guard.feed(data, self.h2.max_inbound_frame_size):
+                    self.gw.metrics.refusals.labels("frame_too_large").inc()
+                    with contextlib.suppress(h2.exceptions.ProtocolError):
+                        self.h2.close_connection(error_code=h2.errors.ErrorCodes.FRAME_SIZE_ERROR)
+                    await self._flush()
                     return
                 try:
                     events = self.h2.receive_data(data)

@@ -700,3 +700,23 @@ def test_the_guard_refuses_a_banner_at_once_and_passes_a_frame_at_the_limit() ->
     assert g.feed(b"\x00\x40\x01", 16384) is True  # half a header over the limit: not judged yet
     assert g.feed(b"\x00\x00\x00\x00\x00\x01", 16384) is False
 
+
+def test_a_client_frame_over_the_size_limit_is_refused_at_its_header(s: dict[str, Any]) -> None:
+    """A client names a 1 MiB frame (over the 16 KiB it may send): GOAWAY FRAME_SIZE_ERROR at once, not
+    after the gateway has buffered the megabyte h2 would wait for."""
+    gw: GatewayThread = s["gw"]
+    refused = gw.sample("sbxnet_gateway_refusals_total", {"reason": "frame_too_large"})
+    c = Client(s, NAME)
+    try:
+        c.sock.sendall((1 << 20).to_bytes(3, "big") + b"\x00\x00\x00\x00\x00\x01" + b"x" * 100)
+        ended: list[Any] = []
+        deadline = time.monotonic() + 5
+        while not ended and time.monotonic() < deadline:
+            data = c.sock.recv(65536)
+            if not data:
+                break
+            ended = [ev for ev in c.conn.receive_data(data) if isinstance(ev, h2.events.ConnectionTerminated)]
+        assert ended and ended[0].error_code == Codes.FRAME_SIZE_ERROR
+    finally:
+        c.close()
+    assert gw.sample("sbxnet_gateway_refusals_total", {"reason": "frame_too_large"}) == refused + 1
