@@ -33,7 +33,7 @@ import pytest
 from fwd_support import ForwarderThread, Pki, SandboxApp
 from gw_support import DOMAIN, GatewayThread, forwarder_settings, registration
 from hyperframe.frame import DataFrame, GoAwayFrame, HeadersFrame, PingFrame, SettingsFrame, WindowUpdateFrame
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.h2c_upstream import STREAM_WINDOW, FrameSizeGuard
@@ -669,6 +669,10 @@ def _pieces(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 @settings(max_examples=300, deadline=None)
+@example(frames=[], cuts=[], skip=0, over=16385)
+@example(frames=[("data", 16384, 1)], cuts=[1, 9, 10, 16393, 16394], skip=24, over=1 << 20)
+@example(frames=[("headers", 0, 1), ("goaway", 8, 1), ("settings", 0, 1)], cuts=list(range(60)), skip=24,
+         over=(1 << 24) - 1)
 @given(frames=st.lists(st.tuples(_FRAME_TYPES, st.integers(0, 16384), st.integers(1, 99)), max_size=12),
        cuts=st.lists(st.integers(0, 1 << 20), max_size=30), skip=st.sampled_from([0, 24]),
        over=st.integers(16385, (1 << 24) - 1))
