@@ -312,6 +312,11 @@ class GatewayServer:
         self.metrics.upstream_seconds.observe(up.elapsed)
         for why in up.failures:
             self.metrics.upstream_retries.labels(why).inc()
+        # One line per link: which client connection (conn_id) reached which sandbox, for tracing with
+        # the forwarder's log (its gateway_conn_id) and for telling coalesced HTTP/2 requests apart.
+        log.info("link open", extra={"event": "link_open", "conn_id": conn_id, "sandbox_id": fwd.sandbox,
+                                     "fields": {"port": fwd.port, "attempts": up.attempts,
+                                                "seconds": round(up.elapsed, 4)}})
         return up
 
     async def _recheck(self, sandbox: str, current: Route) -> Route | None:

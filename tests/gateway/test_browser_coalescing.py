@@ -1,0 +1,210 @@
+"""A real browser through the gateway: headless Chromium (Debian's package) and HTTP/2 connection coalescing.
+
+Chromium opens sandbox A's page with ``?token=``, follows the gateway's 303 (which sets the host-only
+cookie and drops the parameter), and the page's script then fetches from A (same origin, the cookie) and
+from sandbox B's name (public, CORS with credentials so the request keeps the page's connection pool).
+``--host-resolver-rules`` maps every sandbox name to 127.0.0.1 and the gateway's port (so the URLs are
+the production ones, without a port: the gateway's 303 names the host without one), and one wildcard
+certificate covers both names, so Chromium puts B's request on A's HTTP/2 connection (RFC 9113 9.1.1).
+
+The DOM must show each answer from its own sandbox program (each answers with its own ID), and both
+ends must show that B's request went over A's connection. Chromium's NetLog: the HTTP/2 session it
+opened for A's name sent a stream whose ``:authority`` is B's. The gateway: either that request was
+served there by B's route (the ``link_open`` log lines carry the client connection's ``conn_id``: B's link
+under A's), or it was answered 421 there (``misdirected``) and never reached A, and Chromium then retried
+it on a connection of its own (what the HTTP/2 front does today). Chromium trusts the front certificate
+by its SPKI (``--ignore-certificate-errors-spki-list``, which clears the certificate errors, so pooling is
+allowed).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import re
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gw_support import DOMAIN, TOKEN, GatewayThread, forwarder_settings, registration
+from test_raw_routes import no_leaks
+from test_real_clients import StreamApp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
+from fwd_support import ForwarderThread, Pki
+
+from certs.loader import spki_pin_of_der
+from sbxnet.jsonlog import JsonFormatter
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+PAGE = """<!doctype html>
+<html><head><title>coalescing</title></head><body><pre id="result">pending</pre>
+<script>
+(async () => {
+  const out = document.getElementById("result");
+  try {
+    const a = await (await fetch("/whoami", {credentials: "include", cache: "no-store"})).json();
+    const b = await (await fetch("B_URL", {credentials: "include", mode: "cors", cache: "no-store"})).json();
+    out.textContent = JSON.stringify({a: a, b: b});
+  } catch (e) {
+    out.textContent = "error: " + e;
+  }
+})();
+</script></body></html>
+"""
+
+
+class JsonLines(logging.Handler):
+    """The gateway's log as its JSON lines (sbxnet.jsonlog's format), kept in memory."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(JsonFormatter())
+        self.lines: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(self.format(record)))
+
+
+@dataclass
+class Browser:
+    pki: Pki
+    fwd: ForwarderThread
+    gw: GatewayThread
+    alpha: StreamApp
+    beta: StreamApp
+    log: JsonLines
+
+
+@pytest.fixture(scope="module")
+def browser(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    fwd = ForwarderThread(forwarder_settings(pki))
+    log = JsonLines()
+    gw_logger = logging.getLogger("sbxnet.gateway")
+    gw_logger.addHandler(log)
+    old_level = gw_logger.level
+    gw_logger.setLevel(logging.INFO)
+    alpha = StreamApp("alpha", page=PAGE.replace("B_URL", f"https://beta.{DOMAIN}/whoami").encode())
+    beta = StreamApp("beta", cors_origin=f"https://alpha.{DOMAIN}")
+    routes = tmp_path_factory.mktemp("browser-routes") / "routes.json"
+    routes.write_text(json.dumps({"sandboxes": {
+        "alpha": registration(pki, fwd.port, {alpha.port: ("http", "token")}, default=alpha.port),
+        "beta": registration(pki, fwd.port, {beta.port: ("http", "public")}, default=beta.port),
+    }}))
+    gw = GatewayThread(pki, routes)
+    yield Browser(pki, fwd, gw, alpha, beta, log)
+    gw.stop()
+    fwd.stop()
+    alpha.close()
+    beta.close()
+    gw_logger.removeHandler(log)
+    gw_logger.setLevel(old_level)
+
+
+def h2_streams(netlog: Path) -> list[tuple[str, str, str]]:
+    """From a Chromium NetLog: (the host its HTTP/2 session was opened for, a stream's ``:authority``, the
+    ``:status`` answered), for every request stream, in order."""
+    log = json.loads(netlog.read_text())
+    names = {v: k for k, v in log["constants"]["logEventTypes"].items()}
+    hosts: dict[int, str] = {}
+    pending: dict[tuple[int, int], str] = {}
+    out = []
+    for e in log["events"]:
+        kind, session, params = names.get(e["type"]), e["source"]["id"], e.get("params", {})
+        if kind == "HTTP2_SESSION" and "host" in params:
+            hosts[session] = params["host"].rsplit(":", 1)[0]
+        elif kind == "HTTP2_SESSION_SEND_HEADERS":
+            authority = next(h.split(": ", 1)[1] for h in params["headers"] if h.startswith(":authority: "))
+            pending[(session, params["stream_id"])] = authority
+        elif kind == "HTTP2_SESSION_RECV_HEADERS" and (session, params["stream_id"]) in pending:
+            status = next(h.split(": ", 1)[1] for h in params["headers"] if h.startswith(":status: "))
+            out.append((hosts[session], pending.pop((session, params["stream_id"])), status))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def leak_check(browser: Browser) -> Iterator[None]:
+    with no_leaks([browser.gw], [browser.fwd]):
+        yield
+
+
+def front_spki(gw: GatewayThread) -> str:
+    """Base64 SHA-256 of the SPKI of the certificate the gateway presents for the sandboxes' names (what
+    Chromium is told to trust), read off a handshake."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock, \
+            ctx.wrap_socket(sock, server_hostname=f"alpha.{DOMAIN}") as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return spki_pin_of_der(der)
+
+
+def test_chromium_coalesces_two_sandboxes_and_each_answer_comes_from_its_own(browser: Browser,
+                                                                            tmp_path: Path) -> None:
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (Debian's chromium package; scripts/setup.sh installs it)")
+    gw = browser.gw
+    misdirected = gw.sample("sbxnet_gateway_refusals_total", {"reason": "misdirected"})
+    redirects = gw.sample("sbxnet_gateway_requests_total", {"kind": "http2", "status": "303"})
+    start = len(browser.log.lines)
+    alpha_seen, beta_seen = len(browser.alpha.requests), len(browser.beta.requests)
+    url = f"https://alpha.{DOMAIN}/?token={TOKEN}"
+    r = subprocess.run(
+        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--no-default-browser-check", f"--user-data-dir={tmp_path / 'profile'}",
+         # Only the sandboxes' names: Chromium's own background requests (update checks, dictionaries,
+         # accounts) would otherwise reach the gateway too, and be answered 421 there as well.
+         f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1:{gw.port},MAP * ~NOTFOUND",
+         f"--ignore-certificate-errors-spki-list={front_spki(gw)}", f"--log-net-log={tmp_path / 'netlog.json'}",
+         "--virtual-time-budget=15000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=90,
+    )
+    m = re.search(r'<pre id="result">(.*?)</pre>', r.stdout, re.S)
+    assert m, f"no page came back: {r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    shown = html.unescape(m.group(1))
+    assert shown.startswith("{"), f"the page's script failed: {shown}\n{r.stderr[-3000:]}"
+    result = json.loads(shown)
+
+    # Each answer from its own sandbox program; the token went nowhere but the gateway.
+    assert result["a"]["sandbox"] == "alpha" and result["a"]["path"] == "/whoami"
+    assert result["b"]["sandbox"] == "beta" and result["b"]["path"] == "/whoami"
+    assert result["a"]["cookie"] is None and result["b"]["cookie"] is None
+    assert gw.sample("sbxnet_gateway_requests_total", {"kind": "http2", "status": "303"}) == redirects + 1
+    for app in (browser.alpha, browser.beta):
+        assert all(TOKEN not in json.dumps(req) for req in app.requests)
+    assert not [q for q in browser.alpha.requests[alpha_seen:] if q["headers"].get("host", "").startswith("beta.")]
+    assert [q["path"] for q in browser.beta.requests[beta_seen:]] == ["/whoami"]
+
+    # Chromium's side: B's request went out on the session it had opened for A's name.
+    alpha, beta = f"alpha.{DOMAIN}", f"beta.{DOMAIN}"
+    streams = h2_streams(tmp_path / "netlog.json")
+    coalesced = [status for host, authority, status in streams if host == alpha and authority == beta]
+    assert coalesced in (["200"], ["421"]), streams
+
+    # The gateway's side: which client connection each sandbox was reached from (its JSON log).
+    links = [line for line in browser.log.lines[start:] if line.get("event") == "link_open"]
+    conns = {sbx: {line["conn_id"] for line in links if line.get("sandbox_id") == sbx} for sbx in ("alpha", "beta")}
+    assert len(conns["alpha"]) == 1, links  # the navigation, the page, its fetch, the favicon: one connection
+    alpha_conn = next(iter(conns["alpha"]))
+    refused_there = gw.sample("sbxnet_gateway_refusals_total", {"reason": "misdirected"}) - misdirected
+    if coalesced == ["200"]:
+        # Served on A's connection by B's own route: both requests on one client connection.
+        assert conns["beta"] == {alpha_conn} and refused_there == 0, (conns, links)
+    else:
+        # Answered 421 on A's connection (never forwarded to A), then retried by Chromium on a connection
+        # of its own for B's name: B's link is under another client connection, and served there.
+        assert refused_there == 1, (conns, links)
+        assert len(conns["beta"]) == 1 and alpha_conn not in conns["beta"], (conns, links)
+        assert [(h, s) for h, a, s in streams if a == beta] == [(alpha, "421"), (beta, "200")], streams
