@@ -1,4 +1,4 @@
-"""The README's first command ends in `sbxnet demo`: it must keep working and keep telling the truth."""
+"""`sbxnet demo-forwarder`, the link-level demo: it must keep working and keep telling the truth."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 
 def test_demo_runs_the_real_path_and_reports_it() -> None:
-    r = subprocess.run([sys.executable, "-m", "sbxnet.app.cli", "demo", "--mib", "4"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "sbxnet.app.cli", "demo-forwarder", "--mib", "4"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout

@@ -1,4 +1,4 @@
-"""``sbxnet demo``: the real ingress path on loopback, narrated.
+"""``sbxnet demo-forwarder``: the forwarder's side of the link on loopback, narrated.
 
 It mints certificates, starts a sample sandbox app and the forwarder (``sbxnet forwarder``, as an
 operator would run it), then acts as the gateway: mutual TLS, preamble, status, bytes both ways with
