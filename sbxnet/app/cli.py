@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("scheduler.cli", "run the reference scheduler: routes, idle timers, holds, wakes (and `status`)"),
     "certs": ("certs.cli", "mint a CA, forwarder and gateway certificates; print SPKI pins"),
     "tap": ("forwarder.taps.cli", "set up or remove a VM tap: fixed MAC, permanent guest neighbour entry"),
+    "demo": ("sbxnet.app.demo", "the loopback demo: scheduler, forwarder, gateway and sample sandboxes, narrated"),
     "demo-forwarder": ("sbxnet.app.demo_forwarder",
                        "the link-level demo: a forwarder and a sample app driven by a gateway-like client"),
 }
