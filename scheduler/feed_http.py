@@ -124,6 +124,10 @@ class FeedService:
             self.store_errors += 1
             self._rebuild()
             return web.Response(status=500, text="store_error")
+        except StoreError:
+            # Failed before the core changed (the store unreachable, the ledger unreadable): no rebuild.
+            self.store_errors += 1
+            return web.Response(status=500, text="store_error")
         _count(self.answered, decision.verdict.value)
         if events and self._on_events is not None:
             self._on_events(events)

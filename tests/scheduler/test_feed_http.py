@@ -354,3 +354,20 @@ async def test_malformed_body_gets_400_with_the_reason(
         assert sched.totals() == {"sbx-a": (0, 0), "sbx-b": (0, 0)}
     finally:
         await sched.stop()
+
+
+async def test_a_store_that_fails_before_the_core_changed_is_500_without_a_rebuild(
+    tmp_path: Path, pki: dict[str, Path]
+) -> None:
+    db = tmp_path / "sched.db"
+    register_all(db)
+    sched = Scheduler(db, pki, free_port())
+    service = await sched.start()
+    try:
+        assert sched.store is not None
+        sched.store.close()  # every read now fails: the ledger lookup, before anything is applied
+        status, text = await post(pki, sched.port, "forwarder", BATCH)
+        assert (status, text) == (500, "store_error")
+        assert (service.store_errors, service.core_rebuilds) == (1, 0)
+    finally:
+        await sched.stop()
