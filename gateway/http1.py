@@ -118,6 +118,10 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: byte
         return Refusal(verdict.status, verdict.message, list(verdict.headers), verdict.reason)
     if isinstance(verdict, Redirect):
         return Refusal(verdict.status, "authenticated: continue at the location given", list(verdict.headers), "")
+    if fwd.protocol == "h2c" and not http2:
+        # Not translated (yet): an HTTP/1.1 request would reach an app that only speaks HTTP/2 and fail there.
+        return Refusal(505, "this port speaks HTTP/2 only (h2c, e.g. gRPC): connect with HTTP/2", [],
+                       "h2c_needs_http2")
     return Admitted(fwd, verdict, host)
 
 

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -348,3 +349,15 @@ def test_grpc_leaves_no_descriptor_behind(grpc_stack: dict[str, Any]) -> None:
         time.sleep(0.05)
         new &= open_fds() - before  # only what stays open across listings
     assert new == set()
+
+
+def test_an_http11_request_to_an_h2c_port_is_505_and_reaches_nothing(grpc_stack: dict[str, Any]) -> None:
+    s = grpc_stack
+    name, port = name_of(s), s["gw"].port
+    before = len(s["app"].calls)
+    r = subprocess.run(["curl", "-sS", "--http1.1", "--cacert", str(s["pki"].ca_file), "--resolve",
+                        f"{name}:{port}:127.0.0.1", "-w", "\n%{http_code}", f"https://{name}:{port}/"],
+                       capture_output=True, text=True, timeout=30)
+    body, _, code = r.stdout.rpartition("\n")
+    assert code == "505" and "speaks HTTP/2 only" in body, r.stdout + r.stderr
+    assert len(s["app"].calls) == before
