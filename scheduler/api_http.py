@@ -205,7 +205,7 @@ class Api:
     async def get_sandbox(self, request: web.Request) -> web.StreamResponse:
         self._require(request, gateway=False)
         sandbox = self._sandbox(request)
-        return _json(self.service.core.status_of(sandbox, self.service.now()).to_json())
+        return _json(self.service.status_of(sandbox).to_json())
 
     async def hold(self, request: web.Request) -> web.StreamResponse:
         self._require(request, gateway=False)

@@ -280,7 +280,23 @@ class SchedulerService:
     # -- status ---------------------------------------------------------------------------------
 
     def status(self) -> list[SandboxStatus]:
-        return self.core.status(self.now())
+        """Every sandbox's row. On a shared store from the store (this replica's core may lag another's
+        writes by up to ``resync_s``), otherwise from the core, which is then exactly the store."""
+        if not self.store.shared:
+            return self.core.status(self.now())
+        try:
+            return load_core(self.store).status(self.now())
+        except StoreError as e:
+            self.counters["store_errors"] += 1
+            raise Unavailable(f"{e.reason}: {e.detail}") from e
+
+    def status_of(self, sandbox: str) -> SandboxStatus:
+        for row in self.status() if self.store.shared else ():
+            if row.sandbox == sandbox:
+                return row
+        if self.store.shared:
+            raise UnknownSandbox(sandbox)
+        return self.core.status_of(sandbox, self.now())
 
     # -- idle timers ----------------------------------------------------------------------------
 
