@@ -290,13 +290,15 @@ class Outbox:
         since = self._pending_since if self._pending_since is not None else now
         entries: dict[str, _Entry] = {}
         reports = []
-        for sid in list(itertools.islice(self._pending, self._max_sandboxes)):
-            e = self._pending[sid]
-            sent = _Entry(min(e.bytes_in, COUNT_MAX), min(e.bytes_out, COUNT_MAX), e.open, e.last_activity)
-            e.bytes_in -= sent.bytes_in
-            e.bytes_out -= sent.bytes_out
-            if e.bytes_in == 0 and e.bytes_out == 0:
-                del self._pending[sid]
+        pending = self._pending
+        for sid in list(itertools.islice(pending, self._max_sandboxes)):
+            e = pending[sid]
+            if e.bytes_in <= COUNT_MAX and e.bytes_out <= COUNT_MAX:
+                sent = pending.pop(sid)  # all of it goes (always, but for counts beyond the wire's)
+            else:
+                sent = _Entry(min(e.bytes_in, COUNT_MAX), min(e.bytes_out, COUNT_MAX), e.open, e.last_activity)
+                e.bytes_in -= sent.bytes_in
+                e.bytes_out -= sent.bytes_out
             entries[sid] = sent
             idle = min(max(0.0, now - e.last_activity), IDLE_S_MAX)
             reports.append(SandboxReport(sid, sent.bytes_in, sent.bytes_out, sent.open, idle))
