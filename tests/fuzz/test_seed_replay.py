@@ -18,6 +18,7 @@ from types import ModuleType
 import fuzz_arp
 import fuzz_egress_frames
 import fuzz_feed
+import fuzz_h2_frames
 import fuzz_names
 import fuzz_preamble
 import fuzz_rewrite
@@ -45,6 +46,11 @@ CORE_CASES = ("csum-offset-into-ip-dst*", "tcp-gso-on-udp*")
 # The idle feed's tricky bodies (tests/fuzz/make_feed_seeds.py): each must stay in its corpus.
 FEED_CASES = ("duplicate_sandbox-*", "bad_count-negative-*", "bad_seq-zero", "bad_json-nan-idle", "bad_seq-huge",
               "unknown_field-*", "bad_type-*", "ok-golden-*")
+# The HTTP/2 frame size guard's boundaries (tests/fuzz/make_h2_frames_seeds.py): at the limit, one over it,
+# nothing judged before a header is whole or inside a client's preface, and a peer speaking SSH.
+H2_FRAMES_CASES = ("ok-*-at-limit", "too_large-*-one-over-limit*", "ok-*-half-a-header-*", "ok-*zero-length-frames",
+                   "ok-*tiny*", "ok-client-preface-then-*", "ok-client-ssh-banner-inside-the-skipped-preface",
+                   "too_large-app-ssh-banner", "ok-empty")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
@@ -55,6 +61,7 @@ CORPORA = (
     Corpus("arp", fuzz_arp, 10, named_outcome=True),
     Corpus("feed", fuzz_feed, 20, FEED_CASES, named_outcome=True),
     Corpus("names", fuzz_names, 20, ("ok-h2-authority-only", "host_mismatch-*", "wrong_port-*"), named_outcome=True),
+    Corpus("h2_frames", fuzz_h2_frames, 20, H2_FRAMES_CASES, named_outcome=True),
 )
 BY_NAME = {c.name: c for c in CORPORA}
 
