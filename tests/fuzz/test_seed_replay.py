@@ -22,6 +22,7 @@ import fuzz_h2_frames
 import fuzz_names
 import fuzz_preamble
 import fuzz_rewrite
+import fuzz_routes
 import fuzz_segment
 import fuzz_vxlan
 import pytest
@@ -51,6 +52,15 @@ FEED_CASES = ("duplicate_sandbox-*", "bad_count-negative-*", "bad_seq-zero", "ba
 H2_FRAMES_CASES = ("ok-*-at-limit", "too_large-*-one-over-limit*", "ok-*-half-a-header-*", "ok-*zero-length-frames",
                    "ok-*tiny*", "ok-client-preface-then-*", "ok-client-ssh-banner-inside-the-skipped-preface",
                    "too_large-app-ssh-banner", "ok-empty")
+# Every refusal reason routes.py can give for bytes, the golden bodies, and the tricky inputs
+# (tests/fuzz/make_routes_seeds.py).
+ROUTE_REASONS = ("unknown_field", "missing_field", "bad_type", "bad_sandbox", "bad_incarnation", "bad_address",
+                 "bad_pin", "bad_ip", "bad_port", "bad_protocol", "bad_auth", "bad_token_hash", "bad_number",
+                 "bad_activity", "bad_state", "no_token", "default_port_not_exposed", "too_long", "not_json",
+                 "not_object")
+ROUTES_CASES = (*(f"{r}-*" for r in ROUTE_REASONS), "ok-registration-golden-*", "ok-route-golden",
+                "not_json-*-nan-*", "not_json-*-infinity-*", "*-duplicate-key-*", "not_json-*-deep-*",
+                "too_long-*-64-kib-plus-one", "ok-*-exactly-64-kib", "not_json-*-non-utf8-*")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
@@ -62,6 +72,7 @@ CORPORA = (
     Corpus("feed", fuzz_feed, 20, FEED_CASES, named_outcome=True),
     Corpus("names", fuzz_names, 20, ("ok-h2-authority-only", "host_mismatch-*", "wrong_port-*"), named_outcome=True),
     Corpus("h2_frames", fuzz_h2_frames, 20, H2_FRAMES_CASES, named_outcome=True),
+    Corpus("routes", fuzz_routes, 100, ROUTES_CASES, named_outcome=True),
 )
 BY_NAME = {c.name: c for c in CORPORA}
 
