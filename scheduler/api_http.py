@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 
 from sbxnet.protocol.feed import MAX_BODY_BYTES
 from sbxnet.protocol.routes import MAX_BODY, RouteError, check_sandbox_id, pull_registration, push_route
@@ -240,6 +241,13 @@ class Api:
             raise _bad("Last-Event-ID / after: an event id") from None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        try:
+            await self._stream_events(resp, after)
+        except (ConnectionResetError, ClientConnectionResetError):
+            pass  # the operator went away
+        return resp
+
+    async def _stream_events(self, resp: web.StreamResponse, after: int) -> None:
         loop = asyncio.get_running_loop()
         beat = loop.time() + SSE_HEARTBEAT_S
         store = self.service.store
