@@ -6,6 +6,10 @@ sent: an exact SAN wins over a wildcard; a wildcard covers exactly one left-most
 first configured wins. No SNI, or no match, gets the first certificate (the default), so a client that
 sends no SNI still completes a handshake and is then answered by routing (421/404), not by a TLS alert
 it cannot explain.
+
+``covered`` answers the other question a certificate settles: which names a connection may carry once
+it is made. A client may reuse one HTTP/2 connection for every name the certificate it was shown covers
+(RFC 9113 9.1.1), by the same rules.
 """
 
 from __future__ import annotations
@@ -41,3 +45,8 @@ def choose(server_name: str | None, certs: Sequence[Sequence[str]]) -> int:
         if any(s.startswith("*.") and covers(s, server_name) for s in sans):
             return i
     return 0
+
+
+def covered(sans: Sequence[str], name: str) -> bool:
+    """Whether any of the DNS SANs ``sans`` (one certificate's) covers ``name``."""
+    return any(covers(s, name) for s in sans)

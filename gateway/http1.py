@@ -84,13 +84,14 @@ def _no_route_service() -> Refusal:
 
 async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: bytes, hosts: list[bytes],
                 headers: list[tuple[bytes, bytes]], authority: bytes | None = None, http2: bool = False,
-                http10: bool = False) -> Admitted | Refusal:
+                http10: bool = False, cert_names: tuple[str, ...] = ()) -> Admitted | Refusal:
     """One request's decision, shared by the HTTP/1.1 and HTTP/2 fronts: ``routing.request_target``
-    (400, 421), the route (``decide_http``: 404), a wake if not active (503), ``auth.authorize``
-    (401, 403, the ``?token=`` redirect)."""
+    (400, 421; ``cert_names``, the SANs the connection's certificate has, let an HTTP/2 request for another
+    name it covers through), the route of the request's own name (``decide_http``: 404), a wake if not
+    active (503), ``auth.authorize`` against that route (401, 403, the ``?token=`` redirect)."""
     cfg = gw.config
     t = request_target(cfg.names, conn_name, target=target, hosts=hosts, authority=authority, http2=http2,
-                       http10=http10)
+                       http10=http10, cert_names=cert_names)
     if isinstance(t, Answer):
         return Refusal(t.status, t.message, [], t.reason, close=t.status == 400)
     name = t

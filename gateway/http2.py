@@ -4,10 +4,14 @@ The h2 library keeps the connection's state (frames, HPACK, both flow-control wi
 its bytes and carries each stream to the sandbox's app in the way the port's protocol says.
 
 Per stream, exactly as the HTTP/1.1 front decides a request (``http1.admit``): ``routing.request_target``
-with ``:authority`` and any Host (400; 421 for a stream whose authority names another sandbox or port than
-the connection's server name: browsers coalesce connections for every name a wildcard certificate covers,
-RFC 9113 9.1.1, and such a stream must never reach the connection's first sandbox), the route (404), a wake
-(503 with Retry-After), ``auth.authorize`` (401/403/redirect), then the link (502/503/504).
+with ``:authority`` and any Host (400), the route of the stream's own name (404), a wake (503 with
+Retry-After), ``auth.authorize`` against that route (401/403/redirect), then the link (502/503/504).
+Browsers coalesce: they send streams for every name the connection's certificate covers on one connection
+(RFC 9113 9.1.1). A stream whose authority names another sandbox or port than the connection's server name
+is therefore routed to its own sandbox and port, with its own authentication and its own slot of that
+sandbox's connection limit, when the certificate this connection presented covers the name
+(``tls_front.FrontTls.presented_names``), and answered 421 when it does not; it never reaches the
+connection's first sandbox. Every link it opens is logged under the client connection's ``conn_id``.
 
 An ``http`` port: the stream becomes one HTTP/1.1 exchange (h11 client side, one link to the forwarder per
 stream, opened only once the stream is admitted and closed when it ends): ``:method :path HTTP/1.1`` with
@@ -116,6 +120,8 @@ class H2Session:
         self.conn_name = conn_name
         self.bad_sni = bad_sni
         self.conn_id = conn_id
+        # The names this connection's certificate covers: the names its streams may be routed to.
+        self.cert_names = gw.config.front.presented_names(client.ssl_object)
         config = h2.config.H2Configuration(client_side=False, header_encoding=None,
                                            validate_inbound_headers=True, validate_outbound_headers=True)
         self.h2 = h2.connection.H2Connection(config=config)
@@ -289,7 +295,7 @@ class H2Session:
         hosts = [v for n, v in st.headers if n == b"host"]
         headers = _regular_headers(st.headers)
         d = await admit(self.gw, self.conn_name, self.peer[0], target=path, hosts=hosts, headers=headers,
-                        authority=pseudo.get(b":authority"), http2=True)
+                        authority=pseudo.get(b":authority"), http2=True, cert_names=self.cert_names)
         if isinstance(d, Refusal):
             await self.answer(st, d.status, d.message, d.headers, reason=d.reason)
             return

@@ -8,13 +8,16 @@ An HTTP request is routed in two steps:
 1. ``request_target`` (before any lookup): which name the request asks for. Its authority (Host,
    ``:authority`` or an absolute-form target, ``names.Names.request_name``) is parsed; a malformed one is
    answered 400. Then it is held to the connection's TLS server name: browsers reuse one HTTP/2 connection
-   for every name a wildcard certificate covers at the same address (RFC 9113 section 9.1.1), so a request
-   on a connection made for ``a.<domain>`` may ask for ``b.<domain>``. Such a request, and one for another
-   port of the same sandbox, is answered 421 (Misdirected Request: the browser retries it on a connection
-   of its own), so it can never reach the connection's first sandbox. Names are compared as parsed, so
-   ``a.<domain>`` and ``<default port>-a.<domain>`` are different names here (421, then a connection each).
-   A connection without a server name routes each request by its own authority (the front must then key
-   its upstream connections by the decision's sandbox and port, never by the client connection).
+   for every name the certificate it was shown covers at the same address (RFC 9113 section 9.1.1), so a
+   request on a connection made for ``a.<domain>`` may ask for ``b.<domain>``, or for another port of
+   ``a``. Over HTTP/2 such a request is routed by its own name when that name is covered by the
+   certificate the connection presented (``cert_names``, by ``cert_select.covers``: a wildcard covers one
+   left-most label), and answered 421 otherwise (Misdirected Request: the client retries it on a connection
+   of its own). Over HTTP/1.1 no client reuses a connection across names, so a Host other than the server
+   name is always 421. Either way the request is decided by its own name, never by the connection's first
+   sandbox: the front keys its upstream links by the decision's sandbox and port, never by the client
+   connection. Names are compared as parsed, so ``a.<domain>`` and ``<default port>-a.<domain>`` are
+   different names here. A connection without a server name routes each request by its own authority.
 2. ``decide_http`` (after looking up the name's sandbox): 404 for an unknown sandbox or a port the route
    does not expose, 404 for a raw TCP port asked for over HTTP, otherwise ``Forward``.
 
@@ -33,7 +36,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.cert_select import covered
 from gateway.names import Name, NameRefused, Names
+from sbxnet.errors import LocalProtocolError
 from sbxnet.protocol.routes import Auth, Protocol, Route
 
 
@@ -96,11 +101,14 @@ def request_target(
     authority: str | bytes | None = None,
     http2: bool = False,
     http10: bool = False,
+    cert_names: Sequence[str] = (),
 ) -> Name | Answer:
     """Step 1: the name this request asks for, or the answer that refuses it (400, 421).
 
     ``conn`` is the connection's parsed server name (None: the client sent none). An HTTP/1.0 request
-    without Host is routed by ``conn``; without either it is refused (``missing_host``)."""
+    without Host is routed by ``conn``; without either it is refused (``missing_host``). ``cert_names``:
+    the DNS SANs of the certificate the connection presented; an HTTP/2 request for another name than
+    ``conn`` is routed by its own name if they cover it, 421 if not."""
     try:
         name = names.request_name(target, hosts, authority=authority, http2=http2, http10=http10)
     except NameRefused as e:
@@ -109,9 +117,18 @@ def request_target(
         if conn is None:
             return Answer(400, "missing_host", "bad request authority (missing_host)")
         return conn
-    if conn is not None and name != conn:
+    if conn is not None and name != conn and not (http2 and _presented_for(names, name, cert_names)):
         return Answer(421, "misdirected", "this connection serves another name: open a new connection")
     return name
+
+
+def _presented_for(names: Names, name: Name, cert_names: Sequence[str]) -> bool:
+    """Whether the certificate whose DNS SANs are ``cert_names`` covers ``name``'s host name."""
+    try:
+        host = names.host_of(name)
+    except LocalProtocolError:
+        return False  # not a name any client could have asked for: no certificate covers it
+    return covered(cert_names, host)
 
 
 def decide_http(name: Name, route: Route | None) -> Forward | Answer:

@@ -16,6 +16,9 @@ throw-away object fed the bytes the client sent, stopped in its SNI callback), l
 makes the connection from the context the route calls for. Only the connections of such routes are
 asked for a certificate; a browser on an HTTP route is never prompted for one.
 
+``presented_names`` says which certificate a connection was shown (the DNS SANs of its context's):
+what names its requests may carry (``routing.request_target``, for HTTP/2 coalescing).
+
 ``reload()`` loads every certificate (and the client CA) again and swaps the whole set only if all of
 them load (``certs.loader.Reloadable``): a bad file keeps the old set serving.
 """
@@ -100,13 +103,24 @@ class FrontTls:
         self._pairs = tuple(pairs)
         self.alpn = tuple(alpn)
         self.client_ca_file = client_ca_file
-        self._set = Reloadable(lambda: _load(self._pairs, self.alpn, self.client_ca_file, self._record_sni))
+        # The DNS SANs of the certificate each context presents, kept for as long as the context lives
+        # (a connection accepted before a reload keeps its context, so its names too).
+        self._presented: weakref.WeakKeyDictionary[ssl.SSLContext, tuple[str, ...]] = weakref.WeakKeyDictionary()
+        self._set = Reloadable(lambda: self._remember(
+            _load(self._pairs, self.alpn, self.client_ca_file, self._record_sni)))
         # The SNI each connection sent, by its SSL object: routing needs it after the handshake.
         self._server_names: weakref.WeakKeyDictionary[object, str | None] = weakref.WeakKeyDictionary()
         # The context the listener wraps with: the default certificate, and the SNI switch. It is never
         # replaced, so a reload needs no new listener; the callback reads the current set each time.
         self.context = _context(self._pairs[0], self.alpn)
         self.context.sni_callback = self._on_sni
+        self._presented[self.context] = self._set.current.names[0]
+
+    def _remember(self, loaded: _Loaded) -> _Loaded:
+        self._presented.update(zip(loaded.contexts, loaded.names, strict=True))
+        if loaded.client_cert_contexts is not None:
+            self._presented.update(zip(loaded.client_cert_contexts, loaded.names, strict=True))
+        return loaded
 
     @property
     def names(self) -> tuple[tuple[str, ...], ...]:
@@ -140,6 +154,11 @@ class FrontTls:
         """Whether the client of this (finished) handshake presented a certificate that verified against
         the client CA: only a client-certificate context asks for one, and it fails the handshake otherwise."""
         return obj.context.verify_mode == ssl.CERT_REQUIRED and bool(obj.getpeercert())
+
+    def presented_names(self, obj: ssl.SSLObject | ssl.SSLSocket) -> tuple[str, ...]:
+        """The DNS SANs of the certificate the connection of ``obj`` (handshake done) was shown: the names
+        its client may send requests for on it (RFC 9113 9.1.1). Empty for an object made elsewhere."""
+        return self._presented.get(obj.context, ())
 
     def server_name(self, obj: ssl.SSLObject | ssl.SSLSocket) -> str | None:
         """The server name (SNI) the client sent on the connection of ``obj``; None if it sent none."""

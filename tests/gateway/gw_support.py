@@ -7,10 +7,11 @@ import hashlib
 import http.server
 import ipaddress
 import json
+import logging
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from gateway.route_source import RouteSource, StaticRoutes
 from gateway.server import GatewayConfig, GatewayServer
 from gateway.tls_front import CertPair, FrontTls
 from gateway.upstream import UpstreamPolicy
+from sbxnet.jsonlog import JsonFormatter
 
 DOMAIN = "sbx.test"
 TOKEN = "s3cret-token"
@@ -58,10 +60,11 @@ def registration(pki: Pki, fwd_port: int, ports: dict[int, tuple[str, str]], *, 
 
 class GatewayThread:
     """The gateway on its own event loop in a thread. Routes from ``routes_file`` (a ``StaticRoutes``), or
-    from ``routes``: a factory called on the gateway's loop (the scheduler's client)."""
+    from ``routes``: a factory called on the gateway's loop (the scheduler's client). ``certs``: the front's
+    certificates (default: one, ``*.<DOMAIN>``)."""
 
     def __init__(self, pki: Pki, routes_file: Path | None, *, routes: Callable[[], RouteSource] | None = None,
-                 **config: Any) -> None:
+                 certs: Sequence[CertPair] | None = None, **config: Any) -> None:
         import uvloop
 
         self.loop = uvloop.new_event_loop()
@@ -77,7 +80,7 @@ class GatewayThread:
         async def build() -> GatewayServer:
             cfg = GatewayConfig(
                 names=Names(DOMAIN, listen_port=self.port),
-                front=FrontTls([front_cert(pki)]),
+                front=FrontTls(list(certs) if certs is not None else [front_cert(pki)]),
                 routes=routes() if routes is not None else StaticRoutes(routes_file, ttl=1.0),  # type: ignore[arg-type]
                 upstream=UpstreamPolicy(client_context(cert_file=cert, key_file=key, ca_file=pki.ca_file)),
                 **config,
@@ -99,12 +102,14 @@ class GatewayThread:
 
 
 class EchoHttp(http.server.ThreadingHTTPServer):
-    """A sandbox's HTTP app: answers every request with JSON describing what it received."""
+    """A sandbox's HTTP app: answers every request with JSON describing what it received (and ``ident``,
+    the sandbox it plays, as ``"sandbox"``)."""
 
     daemon_threads = True
     request_queue_size = 128  # a real app's backlog, not socketserver's 5 (50 clients at once overflow it)
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, *, ident: str = "") -> None:
+        self.ident = ident
         self.requests: list[dict[str, Any]] = []
         super().__init__(("127.0.0.1", port), _Handler)
         self.port = int(self.server_address[1])
@@ -128,7 +133,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("content-length") or 0)
         body = self.rfile.read(length) if length else b""
         seen = {"method": self.command, "path": self.path, "headers": [[k.lower(), v] for k, v in self.headers.items()],
-                "body_sha256": hashlib.sha256(body).hexdigest(), "body_len": len(body)}
+                "body_sha256": hashlib.sha256(body).hexdigest(), "body_len": len(body),
+                "sandbox": self.server.ident}  # type: ignore[attr-defined]
         self.server.requests.append(seen)  # type: ignore[attr-defined]
         if self.path.startswith("/bytes/"):
             n = int(self.path.split("/")[2])
@@ -167,10 +173,12 @@ def forwarder_settings(pki: Pki, **over: Any) -> ForwarderSettings:
 @contextmanager
 def gateway_stack(pki: Pki, routes_dir: Path) -> Iterator[dict[str, Any]]:
     """The gateway in front of a real forwarder and apps: sandboxes alpha (HTTP and a raw TCP port), beta
-    (the same HTTP app as alpha), secure (token), ws (WebSockets), gone (a forwarder that is not there)."""
+    (an HTTP app of its own), secure (token), ws (WebSockets), gone (a forwarder that is not there; alpha's
+    app as its port). Each HTTP app answers with the sandbox it plays (``"sandbox"``)."""
     fwd = ForwarderThread(forwarder_settings(pki))
-    app = EchoHttp()
-    secure = EchoHttp()
+    app = EchoHttp(ident="alpha")
+    beta = EchoHttp(ident="beta")
+    secure = EchoHttp(ident="secure")
 
     def echo(conn: socket.socket) -> None:
         while data := conn.recv(65536):
@@ -187,16 +195,18 @@ def gateway_stack(pki: Pki, routes_dir: Path) -> Iterator[dict[str, Any]]:
     routes.write_text(json.dumps({"sandboxes": {
         "alpha": registration(pki, fwd.port, {app.port: ("http", "public"), tcp.port: ("tcp", "public")},
                               default=app.port),
-        "beta": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port),
+        "beta": registration(pki, fwd.port, {beta.port: ("http", "public")}, default=beta.port),
         "secure": registration(pki, fwd.port, {secure.port: ("http", "token")}, default=secure.port),
         "ws": registration(pki, fwd.port, {ws_port: ("http", "public")}, default=ws_port),
         "gone": registration(pki, dead_port, {app.port: ("http", "public")}, default=app.port, deadline=0.5),
     }}))
     gw = GatewayThread(pki, routes, header_timeout=1.0, idle_timeout=5.0)
-    yield {"gw": gw, "fwd": fwd, "app": app, "secure": secure, "tcp": tcp, "pki": pki}
+    yield {"gw": gw, "fwd": fwd, "app": app, "beta": beta, "secure": secure, "tcp": tcp, "pki": pki,
+           "routes": routes}
     gw.stop()
     fwd.stop()
     app.stop()
+    beta.stop()
     secure.stop()
     ws_server.shutdown()
 
@@ -212,3 +222,36 @@ def websocket_echo() -> tuple[Any, int]:
     server = serve(handler, "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, int(server.socket.getsockname()[1])
+
+
+class JsonLines(logging.Handler):
+    """The gateway's log as its JSON lines (sbxnet.jsonlog's format), kept in memory."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(JsonFormatter())
+        self.lines: list[dict[str, Any]] = []
+        self.text: list[str] = []  # each line as written
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = self.format(record)
+        self.text.append(line)
+        self.lines.append(json.loads(line))
+
+    def events(self, event: str, since: int = 0) -> list[dict[str, Any]]:
+        return [line for line in self.lines[since:] if line.get("event") == event]
+
+
+@contextmanager
+def gateway_log() -> Iterator[JsonLines]:
+    """The ``sbxnet.gateway`` logger's INFO lines and up, while in the block."""
+    handler = JsonLines()
+    logger = logging.getLogger("sbxnet.gateway")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

@@ -9,6 +9,7 @@ import socket
 import ssl
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,10 @@ import h2.config
 import h2.connection
 import h2.events
 import pytest
-from gw_support import DOMAIN, EchoHttp, GatewayThread
+from gw_support import DOMAIN, EchoHttp, GatewayThread, front_cert, gateway_log
+
+from certs.mint import mint_leaf, write_issued
+from gateway.tls_front import CertPair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
 
@@ -107,26 +111,38 @@ def test_unknown_sandbox_is_404_over_http2(stack: dict[str, Any]) -> None:
 
 
 class RawH2:
-    """A minimal blocking HTTP/2 client: the h2 library over a Python ssl socket."""
+    """A minimal blocking HTTP/2 client: the h2 library over a Python ssl socket. Unlike curl it sends
+    any ``:authority`` on its connection, as a coalescing browser does. ``connection_window``: that much
+    more connection window at the start, so a stream whose DATA is held (``wait(hold=...)``) does not
+    stall the others."""
 
-    def __init__(self, stack: dict[str, Any], sni: str) -> None:
+    def __init__(self, stack: dict[str, Any], sni: str, *, port: int | None = None, connection_window: int = 0) -> None:
         ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
         ctx.set_alpn_protocols(["h2"])
-        raw = socket.create_connection(("127.0.0.1", stack["gw"].port), timeout=10)
+        raw = socket.create_connection(("127.0.0.1", port or stack["gw"].port), timeout=10)
         self.sock = ctx.wrap_socket(raw, server_hostname=sni)
         assert self.sock.selected_alpn_protocol() == "h2"
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         self.conn.initiate_connection()
+        if connection_window:
+            self.conn.increment_flow_control_window(connection_window)
         self.sock.sendall(self.conn.data_to_send())
         self.responses: dict[int, dict[str, Any]] = {}
 
-    def request(self, stream_id: int, authority: str, path: str = "/") -> None:
+    def request(self, stream_id: int, authority: str, path: str = "/",
+                headers: tuple[tuple[str, str], ...] = ()) -> None:
         self.conn.send_headers(stream_id, [(":method", "GET"), (":scheme", "https"), (":authority", authority),
-                                           (":path", path)], end_stream=True)
+                                           (":path", path), *headers], end_stream=True)
         self.sock.sendall(self.conn.data_to_send())
 
-    def wait(self, *stream_ids: int) -> dict[int, dict[str, Any]]:
-        while not all(self.responses.get(s, {}).get("ended") for s in stream_ids):
+    def wait(self, *stream_ids: int, hold: tuple[int, ...] = (), heads_only: bool = False) -> dict[int, dict[str, Any]]:
+        """Read until each of ``stream_ids`` ended (or has its response head, ``heads_only``); the DATA of
+        streams in ``hold`` is not acknowledged, so their window stays closed."""
+        def done(s: int) -> bool:
+            r = self.responses.get(s, {})
+            return bool(r.get("ended") or (heads_only and "headers" in r))
+
+        while not all(done(s) for s in stream_ids):
             data = self.sock.recv(65536)
             assert data, "the gateway closed the connection"
             for ev in self.conn.receive_data(data):
@@ -134,7 +150,8 @@ class RawH2:
                     self.responses.setdefault(ev.stream_id, {"body": b""})["headers"] = dict(ev.headers)
                 elif isinstance(ev, h2.events.DataReceived):
                     self.responses.setdefault(ev.stream_id, {"body": b""})["body"] += ev.data
-                    self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    if ev.stream_id not in hold:
+                        self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
                 elif isinstance(ev, h2.events.StreamEnded):
                     self.responses[ev.stream_id]["ended"] = True
                 elif isinstance(ev, h2.events.StreamReset):
@@ -147,21 +164,133 @@ class RawH2:
         self.sock.close()
 
 
-def test_a_coalesced_stream_for_another_sandbox_is_421_and_never_forwarded(stack: dict[str, Any]) -> None:
-    app: EchoHttp = stack["app"]  # alpha and beta are the same app: count what it received
-    before = len(app.requests)
+def status(out: dict[int, dict[str, Any]], stream_id: int) -> str:
+    return str(out[stream_id]["headers"][":status"])
+
+
+def seen(out: dict[int, dict[str, Any]], stream_id: int) -> dict[str, Any]:
+    """What the sandbox's app said it received (gw_support.EchoHttp's answer), its headers as a dict."""
+    got = json.loads(out[stream_id]["body"])
+    got["headers"] = dict(got["headers"])
+    return dict(got)
+
+
+def test_coalesced_streams_are_each_answered_by_their_own_sandbox_under_one_conn_id(stack: dict[str, Any]) -> None:
+    alpha, beta = stack["app"], stack["beta"]
+    before = (len(alpha.requests), len(beta.requests))
+    with gateway_log() as log:
+        c = RawH2(stack, f"alpha.{DOMAIN}")
+        try:
+            c.request(1, f"alpha.{DOMAIN}", "/first")
+            c.request(3, f"beta.{DOMAIN}", "/coalesced")  # the wildcard certificate covers beta: routed to beta
+            c.request(5, f"{beta.port}-beta.{DOMAIN}:{stack['gw'].port}", "/beta-by-port")
+            c.request(7, f"{alpha.port}-alpha.{DOMAIN}", "/alpha-by-port")  # another spelling of alpha's port
+            c.request(9, f"{stack['tcp'].port}-alpha.{DOMAIN}", "/raw-port")  # alpha's raw TCP port: not HTTP
+            c.request(11, f"nosuch.{DOMAIN}", "/")
+            out = c.wait(1, 3, 5, 7, 9, 11)
+        finally:
+            c.close()
+    assert [status(out, i) for i in (1, 3, 5, 7, 9, 11)] == ["200", "200", "200", "200", "404", "404"]
+    for i, sandbox, path in ((1, "alpha", "/first"), (3, "beta", "/coalesced"), (5, "beta", "/beta-by-port"),
+                             (7, "alpha", "/alpha-by-port")):
+        got = seen(out, i)
+        assert (got["sandbox"], got["path"]) == (sandbox, path)
+    host = seen(out, 3)["headers"]
+    assert host["host"] == host["x-forwarded-host"] == f"beta.{DOMAIN}"
+    assert seen(out, 5)["headers"]["host"] == f"{beta.port}-beta.{DOMAIN}"
+    assert [r["path"] for r in alpha.requests[before[0]:]] == ["/first", "/alpha-by-port"]
+    assert [r["path"] for r in beta.requests[before[1]:]] == ["/coalesced", "/beta-by-port"]
+    # The gateway's log: one link per routed stream, each to its own sandbox, all under the one client connection.
+    links = log.events("link_open")
+    assert sorted(line["sandbox_id"] for line in links) == ["alpha", "alpha", "beta", "beta"], links
+    assert len({line["conn_id"] for line in links}) == 1, links
+
+
+def test_a_coalesced_token_route_authenticates_each_stream_on_its_own(stack: dict[str, Any]) -> None:
+    from gw_support import TOKEN
+
+    secure: EchoHttp = stack["secure"]
+    before = len(secure.requests)
     c = RawH2(stack, f"alpha.{DOMAIN}")
     try:
-        c.request(1, f"alpha.{DOMAIN}", "/first")
-        c.request(3, f"beta.{DOMAIN}", "/coalesced")
-        out = c.wait(1, 3)
+        c.request(1, f"secure.{DOMAIN}", "/no-token")
+        c.request(3, f"secure.{DOMAIN}", "/bearer", (("authorization", f"Bearer {TOKEN}"),))
+        c.request(5, f"secure.{DOMAIN}", "/again-without")  # the stream before was let in: this one is not
+        c.request(7, f"secure.{DOMAIN}", "/cookie", (("cookie", f"a=1; sbx_token={TOKEN}"),))
+        c.request(9, f"secure.{DOMAIN}", "/wrong", (("x-sbx-token", "nope"),))
+        c.request(11, f"secure.{DOMAIN}", f"/?token={TOKEN}")
+        c.request(13, f"alpha.{DOMAIN}", "/public")  # the connection's own sandbox is public
+        out = c.wait(1, 3, 5, 7, 9, 11, 13)
     finally:
         c.close()
-    assert out[1]["headers"][":status"] == "200"
-    assert json.loads(out[1]["body"])["path"] == "/first"
-    assert out[3]["headers"][":status"] == "421"
-    paths = [r["path"] for r in app.requests[before:]]
-    assert paths == ["/first"]
+    assert [status(out, i) for i in (1, 3, 5, 7, 9, 11, 13)] == ["401", "200", "401", "200", "403", "303", "200"]
+    assert seen(out, 3)["sandbox"] == seen(out, 7)["sandbox"] == "secure"
+    assert seen(out, 13)["sandbox"] == "alpha"
+    assert out[11]["headers"]["set-cookie"].startswith(f"sbx_token={TOKEN};")
+    assert out[11]["headers"]["location"].startswith(f"https://secure.{DOMAIN}")
+    assert [r["path"] for r in secure.requests[before:]] == ["/bearer", "/cookie"]
+    assert all(TOKEN not in json.dumps(r) for r in secure.requests[before:])
+    assert seen(out, 7)["headers"]["cookie"] == "a=1"
+
+
+@pytest.fixture(scope="module")
+def two_certs(stack: dict[str, Any], pki: Any) -> Iterator[GatewayThread]:
+    """A gateway with two certificates: the wildcard, and one for beta's name alone (chosen for beta: an
+    exact name wins)."""
+    cert, key = write_issued(mint_leaf(pki.ca, "beta-only", dns=(f"beta.{DOMAIN}",)), pki.dir, "beta-only")
+    gw = GatewayThread(pki, stack["routes"], certs=[front_cert(pki), CertPair(cert, key)])
+    yield gw
+    gw.stop()
+
+
+def test_a_stream_for_a_name_the_connections_certificate_does_not_cover_is_421(
+    stack: dict[str, Any], two_certs: GatewayThread
+) -> None:
+    alpha: EchoHttp = stack["app"]
+    before = len(alpha.requests)
+    c = RawH2(stack, f"beta.{DOMAIN}", port=two_certs.port)
+    try:
+        der = c.sock.getpeercert()
+        assert der is not None and der["subjectAltName"] == (("DNS", f"beta.{DOMAIN}"),)
+        c.request(1, f"beta.{DOMAIN}", "/own")
+        c.request(3, f"alpha.{DOMAIN}", "/not-covered")
+        c.request(5, f"{alpha.port}-beta.{DOMAIN}", "/other-port")  # beta's, but another name: not covered
+        out = c.wait(1, 3, 5)
+    finally:
+        c.close()
+    assert [status(out, i) for i in (1, 3, 5)] == ["200", "421", "421"]
+    assert seen(out, 1)["sandbox"] == "beta"
+    assert "/not-covered" not in [r["path"] for r in alpha.requests[before:]]
+    assert two_certs.sample("sbxnet_gateway_refusals_total", {"reason": "misdirected"}) == 2
+    # The wildcard's connection covers beta's name (whichever certificate beta's own connection gets).
+    c = RawH2(stack, f"alpha.{DOMAIN}", port=two_certs.port)
+    try:
+        c.request(1, f"beta.{DOMAIN}", "/covered")
+        out = c.wait(1)
+    finally:
+        c.close()
+    assert status(out, 1) == "200" and seen(out, 1)["sandbox"] == "beta"
+
+
+def test_a_coalesced_stream_takes_a_slot_of_its_own_sandboxs_limit(stack: dict[str, Any]) -> None:
+    gw = GatewayThread(stack["pki"], stack["routes"], max_connections_per_sandbox=1)
+    try:
+        c = RawH2(stack, f"alpha.{DOMAIN}", port=gw.port, connection_window=32 << 20)
+        try:
+            # alpha's one slot, held: its DATA is not acknowledged, so the stream stays open at its window
+            c.request(1, f"alpha.{DOMAIN}", f"/bytes/{4 << 20}")
+            c.wait(1, hold=(1,), heads_only=True)
+            c.request(3, f"alpha.{DOMAIN}", "/second")
+            c.request(5, f"beta.{DOMAIN}", "/coalesced")
+            out = c.wait(3, 5, hold=(1,))
+            assert not out[1].get("ended")
+            assert [status(out, 1), status(out, 3), status(out, 5)] == ["200", "503", "200"]
+            assert seen(out, 5)["sandbox"] == "beta"
+            assert gw.sample("sbxnet_gateway_refusals_total", {"reason": "sandbox_connection_limit"}) == 1
+        finally:
+            c.close()
+    finally:
+        gw.stop()
 
 
 def test_concurrent_streams_and_errors_on_one_connection(stack: dict[str, Any]) -> None:
@@ -169,24 +298,26 @@ def test_concurrent_streams_and_errors_on_one_connection(stack: dict[str, Any]) 
     try:
         c.request(1, f"alpha.{DOMAIN}", f"/bytes/{1 << 20}")
         c.request(3, f"alpha.{DOMAIN}:{stack['gw'].port}", "/second")
-        c.request(5, f"1-alpha.{DOMAIN}", "/other-port")  # another port of the same sandbox: 421
-        out = c.wait(1, 3, 5)
+        c.request(5, f"1-alpha.{DOMAIN}", "/other-port")  # another port of the same sandbox, not exposed
+        c.request(7, f"alpha.{DOMAIN}:9999", "/")  # a port the gateway does not listen on
+        out = c.wait(1, 3, 5, 7)
     finally:
         c.close()
-    assert out[1]["headers"][":status"] == "200"
+    assert status(out, 1) == "200"
     assert out[1]["body"] == b"x" * (1 << 20)
-    assert json.loads(out[3]["body"])["path"] == "/second"
-    assert out[5]["headers"][":status"] == "421"
+    assert seen(out, 3)["path"] == "/second"
+    assert status(out, 5) == "404"
+    assert status(out, 7) == "400"
 
 
 def test_a_dead_forwarder_fails_its_stream_only(stack: dict[str, Any]) -> None:
     c = RawH2(stack, f"gone.{DOMAIN}")
     try:
         c.request(1, f"gone.{DOMAIN}", "/")
-        c.request(3, f"alpha.{DOMAIN}", "/")  # misdirected, answered on the same connection
+        c.request(3, f"alpha.{DOMAIN}", "/")  # coalesced: alpha's own link, unaffected
         out = c.wait(1, 3)
-        assert out[1]["headers"][":status"] in ("502", "503", "504")
-        assert out[3]["headers"][":status"] == "421"
+        assert status(out, 1) in ("502", "503", "504")
+        assert status(out, 3) == "200" and seen(out, 3)["sandbox"] == "alpha"
     finally:
         c.close()
 

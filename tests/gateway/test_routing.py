@@ -1,4 +1,4 @@
-"""gateway/routing.py: each request held to its connection's name (421), then to its route (404)."""
+"""gateway/routing.py: each request held to its connection's name and certificate (421), then to its route (404)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from names_cases import names
 
+from gateway.cert_select import covers
 from gateway.names import Name
 from gateway.routing import (
     SERVE_HTTP,
@@ -98,14 +99,59 @@ def test_a_request_is_held_to_its_connections_name(sni: str | None, host: str | 
             assert got.reason == "misdirected"
 
 
+WILD = ("*.sandbox.example.com",)
+
+
 def test_http2_coalescing_uses_authority() -> None:
     conn = N.parse_sni("a.sandbox.example.com")
-    got = target(conn, None, authority=b"b.sandbox.example.com", http2=True)
+    got = target(conn, None, authority=b"b.sandbox.example.com", http2=True)  # no certificate names given
     assert isinstance(got, Answer) and (got.status, got.reason) == (421, "misdirected")
     got = target(conn, None, authority=b"a.sandbox.example.com:443", http2=True)
     assert got == A
-    got = target(conn, "b.sandbox.example.com", authority=b"a.sandbox.example.com", http2=True)
+    got = target(conn, "b.sandbox.example.com", authority=b"a.sandbox.example.com", http2=True, cert_names=WILD)
     assert isinstance(got, Answer) and (got.status, got.reason) == (400, "host_mismatch")
+
+
+# (the connection's server name, the SANs of the certificate it presented, the stream's :authority, the outcome)
+HTTP2_COALESCING: list[tuple[str, tuple[str, ...], str, Name | int]] = [
+    ("a.sandbox.example.com", WILD, "b.sandbox.example.com", B),
+    ("a.sandbox.example.com", WILD, "B.Sandbox.Example.Com.:443", B),
+    ("a.sandbox.example.com", WILD, "8080-a.sandbox.example.com", Name("a", 8080)),  # another port of a
+    ("8080-a.sandbox.example.com", WILD, "9000-b.sandbox.example.com", Name("b", 9000)),
+    ("a.sandbox.example.com", ("*.SANDBOX.example.com.",), "b.sandbox.example.com", B),
+    ("a.sandbox.example.com", ("a.sandbox.example.com",), "b.sandbox.example.com", 421),  # exact: a only
+    ("a.sandbox.example.com", ("a.sandbox.example.com", "b.sandbox.example.com"), "b.sandbox.example.com", B),
+    ("a.sandbox.example.com", ("*.example.com",), "b.sandbox.example.com", 421),  # one label, not two
+    ("a.sandbox.example.com", ("*.other.example",), "b.sandbox.example.com", 421),
+    ("a.sandbox.example.com", ("b*.sandbox.example.com",), "b.sandbox.example.com", 421),  # partial: no
+    ("a.sandbox.example.com", ("*.a.sandbox.example.com",), "b.sandbox.example.com", 421),
+    ("a.sandbox.example.com", (), "b.sandbox.example.com", 421),
+    ("a.sandbox.example.com", WILD, "a.b.sandbox.example.com", 400),  # never a name: refused before
+    ("a.sandbox.example.com", WILD, "b.sandbox.example.com:9999", 400),
+    ("a.sandbox.example.com", WILD, "evil.example.org", 400),
+]
+
+
+@pytest.mark.parametrize(("sni", "sans", "authority", "want"), HTTP2_COALESCING,
+                         ids=[f"{s}[{','.join(c)}]->{a}" for s, c, a, _ in HTTP2_COALESCING])
+def test_an_http2_stream_for_a_name_the_certificate_covers_is_routed_by_its_own_name(
+    sni: str, sans: tuple[str, ...], authority: str, want: Name | int
+) -> None:
+    got = target(N.parse_sni(sni), None, authority=authority.encode(), http2=True, cert_names=sans)
+    if isinstance(want, Name):
+        assert got == want
+    else:
+        assert isinstance(got, Answer) and got.status == want
+        if want == 421:
+            assert got.reason == "misdirected"
+
+
+def test_http11_is_held_to_the_server_name_whatever_the_certificate_covers() -> None:
+    conn = N.parse_sni("a.sandbox.example.com")
+    got = target(conn, "b.sandbox.example.com", cert_names=WILD)
+    assert isinstance(got, Answer) and (got.status, got.reason) == (421, "misdirected")
+    got = request_target(N, conn, target=b"https://b.sandbox.example.com/", hosts=[], cert_names=WILD)
+    assert isinstance(got, Answer) and got.status == 421
 
 
 def test_an_absolute_form_target_for_another_sandbox_is_misdirected() -> None:
@@ -186,7 +232,7 @@ def test_a_forward_always_goes_where_the_connection_and_the_request_both_say(
 ) -> None:
     conn, req = Name(cs, cp), Name(rs, rp)
     host = N.host_of(req).encode()
-    got = request_target(N, conn, target=b"/", hosts=[host])
+    got = request_target(N, conn, target=b"/", hosts=[host], cert_names=WILD)  # HTTP/1.1
     if conn != req:
         assert isinstance(got, Answer) and got.status == 421
         return
@@ -196,6 +242,26 @@ def test_a_forward_always_goes_where_the_connection_and_the_request_both_say(
         if isinstance(d, Forward):
             assert d.sandbox == conn.sandbox == lookup.sandbox
             assert d.port == (lookup.default_port if conn.port is None else conn.port)
+
+
+@given(st.sampled_from(["a", "b", "c"]), st.sampled_from([None, 8080, 9000]),
+       st.sampled_from(["a", "b", "c"]), st.sampled_from([None, 8080, 9000]),
+       st.sampled_from([WILD, ("a.sandbox.example.com", "8080-b.sandbox.example.com"), ()]))
+def test_a_coalesced_http2_stream_goes_where_it_says_or_nowhere(
+    cs: str, cp: int | None, rs: str, rp: int | None, sans: tuple[str, ...]
+) -> None:
+    conn, req = Name(cs, cp), Name(rs, rp)
+    host = N.host_of(req)
+    got = request_target(N, conn, target=b"/", hosts=[], authority=host.encode(), http2=True, cert_names=sans)
+    if conn != req and not any(covers(s, host) for s in sans):
+        assert isinstance(got, Answer) and got.status == 421
+        return
+    assert got == req  # its own name, never the connection's
+    for lookup in (route("a"), route("b"), route("c")):
+        d = decide_http(got, lookup)
+        if isinstance(d, Forward):
+            assert d.sandbox == req.sandbox == lookup.sandbox
+            assert d.port == (lookup.default_port if req.port is None else req.port)
 
 
 # -- the raw TCP rule: by server name alone, tcp ports only --------------------------------------------

@@ -90,6 +90,30 @@ def test_the_certificate_follows_sni(pki: Path, sni: str, want: set[str]) -> Non
     assert front.server_name(s) == sni
 
 
+@pytest.mark.parametrize("sni", ["abc.sbx.test", "8080-special.sbx.test", "x.other.test", None, "unknown.example"])
+def test_presented_names_are_the_sans_of_the_certificate_the_client_was_shown(pki: Path, sni: str | None) -> None:
+    front = FrontTls(pairs(pki, "wild", "exact", "other"))
+    cctx = client(pki)
+    if sni == "unknown.example":  # the default certificate, which does not cover it: the client must not check
+        cctx.check_hostname = False
+    c, s = handshake(front, cctx, sni)
+    assert set(front.presented_names(s)) == served_sans(c)
+
+
+def test_presented_names_outlive_a_reload_for_the_connections_made_before(pki: Path, tmp_path: Path) -> None:
+    live = CertPair(tmp_path / "live.crt", tmp_path / "live.key")
+    shutil.copy(pki / "wild.crt", live.cert_file)
+    shutil.copy(pki / "wild.key", live.key_file)
+    front = FrontTls([live])
+    _, before = handshake(front, client(pki), "a.sbx.test")
+    shutil.copy(pki / "other.crt", live.cert_file)
+    shutil.copy(pki / "other.key", live.key_file)
+    assert front.reload() is None
+    c, after = handshake(front, client(pki), "x.other.test")
+    assert front.presented_names(before) == ("*.sbx.test",)
+    assert set(front.presented_names(after)) == served_sans(c) == {"*.other.test", "other.test"}
+
+
 def test_no_sni_or_an_unknown_name_gets_the_default_certificate(pki: Path) -> None:
     front = FrontTls(pairs(pki, "other", "wild"))
     c, s = handshake(front, client(pki), None)
