@@ -126,9 +126,11 @@ def _load(data: bytes) -> dict[str, Any]:
     if len(data) > MAX_BODY:
         raise RouteError("too_long", f"{len(data)} bytes > {MAX_BODY}")
     try:
-        obj = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        obj = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_int=_small_int)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, _NonFinite) as e:
         raise RouteError("not_json", type(e).__name__) from None
+    except _HugeNumber:
+        raise RouteError("bad_number", f"an integer of more than {_MAX_INT_DIGITS} digits") from None
     if not isinstance(obj, dict):
         raise RouteError("not_object")
     return obj
@@ -136,6 +138,21 @@ def _load(data: bytes) -> dict[str, Any]:
 
 class _NonFinite(ValueError):
     pass
+
+
+class _HugeNumber(Exception):
+    pass
+
+
+# No field takes more than a port or a few seconds: a long digit string is refused before int() sees it
+# (Python refuses over 4,300 digits with a ValueError, and a huge int overflows float checks).
+_MAX_INT_DIGITS = 18
+
+
+def _small_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise _HugeNumber
+    return int(text)
 
 
 def _no_constant(name: str) -> None:
@@ -165,7 +182,7 @@ def _port(v: object, what: str) -> int:
 
 
 def _port_key(k: str) -> int:
-    if not k.isascii() or not k.isdigit() or k != str(int(k)):
+    if not k.isascii() or not k.isdigit() or len(k) > 5 or k != str(int(k)):
         raise RouteError("bad_port", f"port key {k[:8]!r}")
     return _port(int(k), "port")
 
@@ -196,14 +213,18 @@ def _forwarder(v: object) -> Forwarder:
         raise RouteError("bad_address", "forwarder.address must be an IP literal and a port") from None
     if ":" in host and not address.startswith("["):
         raise RouteError("bad_address", "an IPv6 forwarder address is written [ip]:port")
+    if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
+        raise RouteError("bad_address", "forwarder.address: no IPv6 zone (a route names a routable address)")
     port = _port_key(port_text) if port_text else _port(0, "forwarder port")
     pin = _str(v, "spki_pin")
     try:
         raw = base64.b64decode(pin, validate=True)
     except (binascii.Error, ValueError):
         raw = b""
-    if len(raw) != 32:
-        raise RouteError("bad_pin", "spki_pin must be base64 of a SHA-256 digest")
+    if len(raw) != 32 or base64.b64encode(raw).decode() != pin:
+        # Canonical form only: pins are compared as strings, so another spelling of the same digest
+        # (stray bits in the last character) would never match.
+        raise RouteError("bad_pin", "spki_pin must be the canonical base64 of a SHA-256 digest")
     return Forwarder(str(ip), port, pin)
 
 
@@ -211,9 +232,12 @@ def _ip(v: object) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     if not isinstance(v, str):
         raise RouteError("bad_type", "target_ip must be a string")
     try:
-        return ipaddress.ip_address(v)
+        ip = ipaddress.ip_address(v)
     except ValueError:
         raise RouteError("bad_ip", "target_ip must be an IP address") from None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
+        raise RouteError("bad_ip", "target_ip: no IPv6 zone")
+    return ip
 
 
 def _ports(v: object) -> dict[int, PortSpec]:

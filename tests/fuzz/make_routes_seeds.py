@@ -3,10 +3,9 @@
 Each seed is what ``fuzz_routes.one_input`` takes: ``P`` and a registration body (``PUT /v1/sandboxes/{id}``)
 or ``R`` and a route answer (``GET /v1/routes/{id}``); each is named ``<expected>-<what>``: ``ok`` or the
 reason ``RouteError`` gives (the replay checks the name with ``fuzz_routes.classify``). The golden bodies
-are docs/scheduler-api.md's example. ``PENDING`` holds bodies that routes.py does not yet answer with a
-``RouteError`` or a value that round-trips, named for what we think they should be; ``--pending`` writes
-them too (the replay then fails until routes.py is fixed).
-Usage: .venv/bin/python tests/fuzz/make_routes_seeds.py [--pending]
+are docs/scheduler-api.md's example. ``REGRESSIONS`` holds bodies that routes.py once did not answer with a
+``RouteError`` or a value that round-trips, named for the answer it gives now.
+Usage: .venv/bin/python tests/fuzz/make_routes_seeds.py
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -252,11 +250,11 @@ def seeds() -> dict[str, bytes]:
     return out
 
 
-# Bodies routes.py does not answer as its contract says (found by this corpus; not written by default).
-PENDING: dict[str, bytes] = {
-    # An integer literal of more than 4,300 digits: json.loads raises ValueError (CPython's limit on int
-    # conversion), which _load does not catch.
-    "not_json-registration-5000-digit-integer": reg().replace(b'"idle_period_s": 300',
+# Bodies this corpus found routes.py answering against its contract (now fixed; kept as regressions).
+REGRESSIONS: dict[str, bytes] = {
+    # An integer literal of more than 4,300 digits: json.loads raised ValueError (CPython's limit on int
+    # conversion), which _load did not catch.
+    "bad_number-registration-5000-digit-integer": reg().replace(b'"idle_period_s": 300',
                                                              b'"idle_period_s": 1' + b"0" * 5000),
     # A port key or forwarder port of more than 4,300 digits: int() raises ValueError in _port_key.
     "bad_port-registration-key-5000-digits": reg(**port(number="1" * 5000)),
@@ -280,7 +278,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for old in OUT.iterdir():
         old.unlink()
-    out = seeds() | (PENDING if "--pending" in sys.argv[1:] else {})
+    out = seeds() | REGRESSIONS
     for name, body in out.items():
         (OUT / name).write_bytes(body)
     print(f"{len(out)} seeds in {OUT}")
