@@ -49,7 +49,7 @@ def machine() -> str:
 
 
 async def one_round(n: int, period: float, store_factory: object, pki: dict[str, Path]) -> dict[str, float]:
-    app = await SchedulerApp(store_factory, pki).start()  # type: ignore[arg-type]
+    app = await SchedulerApp(store_factory, pki).start()
     c = Client(app)
     try:
         sids = [f"sbx-{i:05d}" for i in range(n)]

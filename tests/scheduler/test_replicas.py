@@ -70,7 +70,7 @@ async def test_each_idle_timer_fires_once_across_two_replicas(pair: Pair) -> Non
         assert (await client.admin("PUT", f"/v1/sandboxes/{sid}", registration(idle_period_s=2.5)))[0] == 201
     # Both cores hold every sandbox before the first is due (the other replica learns by resync, 1 s here).
     assert pair.a.service is not None and pair.b.service is not None
-    await wait_for(lambda: all(s in pair.a.service.core and s in pair.b.service.core for s in sids), 5.0,  # type: ignore[union-attr]
+    await wait_for(lambda: all(s in pair.a.service.core and s in pair.b.service.core for s in sids), 5.0,
                    "both replicas know every sandbox")
     await wait_for(lambda: sum(1 for e in pair.events() if e[2] == "idle") >= 20, 15.0, "twenty idle events")
     await asyncio.sleep(1.5)  # time for a second firing, if there were one
