@@ -12,8 +12,9 @@ Where a token may come from (``AuthConfig`` names them):
   exchanged: the answer is a redirect (303) to the same URL without the parameter (other parameters kept,
   in order, byte for byte) with ``Set-Cookie: sbx_token=<token>; HttpOnly; Secure; SameSite=Lax; Path=/``,
   which has no ``Domain`` attribute and so belongs to exactly the host that set it; the cookie then
-  authenticates. The redirect's ``Location`` is absolute, built from the routed host, so a target such
-  as ``//evil.example/`` cannot turn it into a redirect elsewhere.
+  authenticates. The redirect's ``Location`` is absolute, built from the routed host (and the port the
+  client named, once validated: a browser on ``https://x.<domain>:8443/?token=`` stays on port 8443),
+  so a target such as ``//evil.example/`` cannot turn it into a redirect elsewhere.
 
 Each presented token is hashed (SHA-256) and its hex digest compared with the route's ``token_sha256``
 by ``hmac.compare_digest``. Results: ``Allow``; ``Deny`` 401 when no token came (with
@@ -273,11 +274,14 @@ def authorize(
     client_ip: str,
     host: str,
     proto: str = "https",
+    port: int | None = None,
 ) -> Allow | Deny | Redirect:
     """Decide one request on a route whose port has ``auth`` ("public" or "token").
 
     ``host`` is the routed host name (``names.Names.host_of``: validated, canonical); it goes into
-    X-Forwarded-Host and the redirect's Location. ``client_ip`` goes into X-Forwarded-For."""
+    X-Forwarded-Host and the redirect's Location. ``port``: the port the request's authority named, as
+    ``routing.requested_port`` validated it (None when it named none, or the scheme's default); the
+    redirect's Location keeps it. ``client_ip`` goes into X-Forwarded-For."""
     if not _PRINTABLE.fullmatch(target):
         return Deny(400, "bad_target", "the request target has bytes outside printable ASCII")
     forwarded = forwarded_headers(client_ip, proto, host)
@@ -298,7 +302,8 @@ def authorize(
             return Deny(403, "wrong_token", "wrong token")
         if not _COOKIE_OCTETS.fullmatch(good):
             return Deny(400, "token_not_cookie_safe", "this token cannot be carried in a cookie: send it in a header")
-        location = f"{proto}://{host}".encode("ascii") + _join(_origin_path(path), kept)
+        origin = f"{proto}://{host}" if port is None else f"{proto}://{host}:{int(port)}"
+        location = origin.encode("ascii") + _join(_origin_path(path), kept)
         cookie = config.cookie + b"=" + good + b"; HttpOnly; Secure; SameSite=Lax; Path=/"
         return Redirect(config.redirect_status, location, cookie)
 

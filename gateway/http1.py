@@ -30,7 +30,7 @@ import h11
 from gateway.auth import Allow, Deny, Redirect, authorize
 from gateway.names import Name
 from gateway.route_source import RouteLookupFailed
-from gateway.routing import Answer, Forward, decide_http, request_target
+from gateway.routing import Answer, Forward, decide_http, request_target, requested_port
 from gateway.upstream import Upstream, UpstreamFailed
 from sbxnet.tls_stream import TlsStream
 
@@ -113,8 +113,9 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: byte
                            "wake_pending")
         fwd = Forward(woken, fwd.sandbox, fwd.port, fwd.protocol, fwd.auth)
     host = cfg.names.host_of(name)
+    port = requested_port(cfg.names, target=target, hosts=hosts, authority=authority, http2=http2)
     verdict = authorize(cfg.auth, auth=fwd.auth, token_sha256=fwd.route.token_sha256, target=target,
-                        headers=headers, client_ip=client_ip, host=host)
+                        headers=headers, client_ip=client_ip, host=host, port=port)
     if isinstance(verdict, Deny):
         return Refusal(verdict.status, verdict.message, list(verdict.headers), verdict.reason)
     if isinstance(verdict, Redirect):

@@ -18,6 +18,7 @@ An HTTP request is routed in two steps:
    sandbox: the front keys its upstream links by the decision's sandbox and port, never by the client
    connection. Names are compared as parsed, so ``a.<domain>`` and ``<default port>-a.<domain>`` are
    different names here. A connection without a server name routes each request by its own authority.
+   ``requested_port`` says which port that authority named (what a redirect back to the client keeps).
 2. ``decide_http`` (after looking up the name's sandbox): 404 for an unknown sandbox or a port the route
    does not expose, 404 for a raw TCP port asked for over HTTP, otherwise ``Forward``.
 
@@ -120,6 +121,46 @@ def request_target(
     if conn is not None and name != conn and not (http2 and _presented_for(names, name, cert_names)):
         return Answer(421, "misdirected", "this connection serves another name: open a new connection")
     return name
+
+
+_SCHEME_DEFAULT_PORT = {"https": 443, "http": 80}
+
+
+def requested_port(
+    names: Names,
+    *,
+    target: str | bytes,
+    hosts: Sequence[str | bytes],
+    authority: str | bytes | None = None,
+    http2: bool = False,
+) -> int | None:
+    """The port the authority ``request_target`` routed by names (``:authority`` or else Host over HTTP/2;
+    an absolute-form target or else Host over HTTP/1.x), for a request it accepted: the listener's port,
+    as validated there. None when the authority names no port, names the scheme's default (``host:443``
+    is ``host``), or is not one ``request_target`` would accept."""
+    text: str | bytes | None
+    if http2:
+        text = authority if authority is not None else (hosts[0] if hosts else None)
+    else:
+        try:
+            text = names.authority_of_target(target)
+        except NameRefused:
+            return None
+        if text is None:
+            text = hosts[0] if hosts else None
+    if text is None:
+        return None
+    try:
+        names.parse_authority(text)  # the same checks: a port other than the accepted ones is refused
+    except NameRefused:
+        return None
+    if isinstance(text, bytes):
+        text = text.decode("ascii")
+    _, sep, digits = text.rpartition(":")
+    if not sep:
+        return None
+    port = int(digits)
+    return None if port == _SCHEME_DEFAULT_PORT.get(names.scheme) else port
 
 
 def _presented_for(names: Names, name: Name, cert_names: Sequence[str]) -> bool:

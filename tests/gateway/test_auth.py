@@ -180,6 +180,19 @@ def test_query_token_redirects_without_it_and_sets_a_host_cookie(target: bytes, 
     assert follow.via == "cookie" and follow.target == location and (b"cookie", b"x=1") in follow.headers
 
 
+@pytest.mark.parametrize("target", [b"/p?a=1&token=" + TOKEN,
+                                    b"https://8080-a.sandbox.example.com:8443/p?a=1&token=" + TOKEN])
+def test_the_redirect_keeps_the_port_the_client_named(target: bytes) -> None:
+    got = authorize(CFG, auth="token", token_sha256=HASH, target=target, headers=[], client_ip="192.0.2.7",
+                    host=HOST, port=8443)
+    assert isinstance(got, Redirect), got
+    assert got.location == b"https://" + HOST.encode() + b":8443/p?a=1"
+    # and X-Forwarded-Host stays the routed host name, as without a port
+    follow = authorize(CFG, auth="token", token_sha256=HASH, target=b"/p", headers=[(b"x-sbx-token", TOKEN)],
+                       client_ip="192.0.2.7", host=HOST, port=8443)
+    assert isinstance(follow, Allow) and follow.headers[-3:] == FWD
+
+
 def test_the_redirect_status_is_configurable() -> None:
     got = run([], b"/?token=" + TOKEN, config=AuthConfig(redirect_status=302))
     assert isinstance(got, Redirect) and got.status == 302

@@ -218,7 +218,7 @@ def test_a_coalesced_token_route_authenticates_each_stream_on_its_own(stack: dic
         c.request(5, f"secure.{DOMAIN}", "/again-without")  # the stream before was let in: this one is not
         c.request(7, f"secure.{DOMAIN}", "/cookie", (("cookie", f"a=1; sbx_token={TOKEN}"),))
         c.request(9, f"secure.{DOMAIN}", "/wrong", (("x-sbx-token", "nope"),))
-        c.request(11, f"secure.{DOMAIN}", f"/?token={TOKEN}")
+        c.request(11, f"secure.{DOMAIN}:{stack['gw'].port}", f"/?token={TOKEN}")
         c.request(13, f"alpha.{DOMAIN}", "/public")  # the connection's own sandbox is public
         out = c.wait(1, 3, 5, 7, 9, 11, 13)
     finally:
@@ -227,7 +227,7 @@ def test_a_coalesced_token_route_authenticates_each_stream_on_its_own(stack: dic
     assert seen(out, 3)["sandbox"] == seen(out, 7)["sandbox"] == "secure"
     assert seen(out, 13)["sandbox"] == "alpha"
     assert out[11]["headers"]["set-cookie"].startswith(f"sbx_token={TOKEN};")
-    assert out[11]["headers"]["location"].startswith(f"https://secure.{DOMAIN}")
+    assert out[11]["headers"]["location"] == f"https://secure.{DOMAIN}:{stack['gw'].port}/"  # the port kept
     assert [r["path"] for r in secure.requests[before:]] == ["/bearer", "/cookie"]
     assert all(TOKEN not in json.dumps(r) for r in secure.requests[before:])
     assert seen(out, 7)["headers"]["cookie"] == "a=1"

@@ -80,12 +80,34 @@ def test_token_routes(stack: dict[str, Any]) -> None:
     r = curl(stack, f"{base}?a=1&token={TOKEN}&b=2", args=("-D", "-", "-o", "/dev/null"))
     head = r.stdout.lower()
     assert head.startswith("http/1.1 303")
-    assert f"location: https://secure.{DOMAIN}/page?a=1&b=2" in head
+    assert f"location: https://secure.{DOMAIN}:{stack['gw'].port}/page?a=1&b=2\n" in head  # the port kept
     assert "set-cookie: sbx_token=" in head and "httponly" in head and "secure" in head
     r = curl(stack, base, args=("-H", f"Cookie: other=1; sbx_token={TOKEN}"))
     seen = json.loads(r.stdout)
     assert dict(seen["headers"]).get("cookie") == "other=1"
     assert all(TOKEN not in v for _, v in seen["headers"])
+
+
+@pytest.mark.parametrize("version", ["--http1.1", "--http2"])
+def test_a_token_link_on_a_non_default_port_is_followed_to_the_page(stack: dict[str, Any], tmp_path: Path,
+                                                                    version: str) -> None:
+    """What a browser does with https://x.<domain>:<port>/?token=...: the 303 keeps the port, so the cookie
+    it set goes back to the same origin and the page is served (curl follows, with a cookie jar)."""
+    if CURL is None:
+        pytest.skip("curl is not installed (scripts/setup.sh installs it)")
+    port = stack["gw"].port
+    jar = tmp_path / "jar"
+    r = subprocess.run([CURL, "-sS", version, "--cacert", str(stack["pki"].ca_file), "--resolve",
+                        f"secure.{DOMAIN}:{port}:127.0.0.1", "-L", "-c", str(jar), "-b", str(jar),
+                        "-w", "\n%{url_effective} %{num_redirects}",
+                        f"https://secure.{DOMAIN}:{port}/page?token={TOKEN}&x=1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    body, last = r.stdout.rsplit("\n", 1)
+    assert last == f"https://secure.{DOMAIN}:{port}/page?x=1 1"
+    seen = json.loads(body)
+    assert (seen["sandbox"], seen["path"]) == ("secure", "/page?x=1")
+    assert TOKEN not in json.dumps(seen)
 
 
 def test_upload_and_download_stream_exactly(stack: dict[str, Any], tmp_path: Path) -> None:

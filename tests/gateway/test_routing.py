@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from names_cases import names
 
 from gateway.cert_select import covers
-from gateway.names import Name
+from gateway.names import Name, Names
 from gateway.routing import (
     SERVE_HTTP,
     Answer,
@@ -22,6 +22,7 @@ from gateway.routing import (
     decide_connection,
     decide_http,
     request_target,
+    requested_port,
 )
 from sbxnet.protocol.routes import Forwarder, PortSpec, Route, push_route
 
@@ -171,6 +172,53 @@ def test_a_bad_authority_answer_names_the_reason_and_not_the_peers_text() -> Non
     got = target(None, "evil<script>.sandbox.example.com")
     assert isinstance(got, Answer) and (got.status, got.reason) == (400, "bad_char")
     assert "evil" not in got.message and "\n" not in got.message
+
+
+# -- the port the client named (a redirect keeps it) ---------------------------------------------------
+
+N8443 = Names("sandbox.example.com", listen_port=8443)
+
+# (Host, :authority, absolute-form target, HTTP/2, the port)
+REQUESTED_PORT: list[tuple[str | None, str | None, str, bool, int | None]] = [
+    ("a.sandbox.example.com:8443", None, "/", False, 8443),
+    ("a.sandbox.example.com", None, "/", False, None),
+    ("a.sandbox.example.com:443", None, "/", False, None),  # the scheme's default: no port in a URL
+    ("a.sandbox.example.com:9999", None, "/", False, None),  # not accepted (request_target's 400)
+    ("a.sandbox.example.com:", None, "/", False, None),
+    (None, None, "/", False, None),  # HTTP/1.0 without Host
+    ("a.sandbox.example.com", None, "https://a.sandbox.example.com:8443/x", False, 8443),  # the target wins
+    ("a.sandbox.example.com:8443", None, "https://a.sandbox.example.com/x", False, None),
+    (None, "a.sandbox.example.com:8443", "/", True, 8443),
+    ("a.sandbox.example.com:8443", None, "/", True, 8443),  # HTTP/2 without :authority: Host
+    ("a.sandbox.example.com:8443", "a.sandbox.example.com", "/", True, None),  # :authority first
+    (None, "[::1]:8443", "/", True, None),
+]
+
+
+@pytest.mark.parametrize(("host", "authority", "tgt", "http2", "want"), REQUESTED_PORT)
+def test_the_port_the_request_named(host: str | None, authority: str | None, tgt: str, http2: bool,
+                                    want: int | None) -> None:
+    hosts = [] if host is None else [host.encode()]
+    auth = None if authority is None else authority.encode()
+    assert requested_port(N8443, target=tgt.encode(), hosts=hosts, authority=auth, http2=http2) == want
+
+
+def test_the_port_is_dropped_when_the_listener_is_on_the_schemes_default() -> None:
+    n443 = Names("sandbox.example.com", listen_port=443)
+    assert requested_port(n443, target=b"/", hosts=[b"a.sandbox.example.com:443"]) is None
+
+
+@given(st.sampled_from(["a", "8080-b"]), st.sampled_from(["", ":443", ":8443", ":8444", ":0", ":08443"]),
+       st.booleans())
+def test_a_named_port_is_one_request_target_accepts(label: str, suffix: str, http2: bool) -> None:
+    text = f"{label}.sandbox.example.com{suffix}".encode()
+    kw: dict[str, object] = {"authority": text, "http2": True} if http2 else {}
+    hosts = [] if http2 else [text]
+    port = requested_port(N8443, target=b"/", hosts=hosts, **kw)  # type: ignore[arg-type]
+    accepted = request_target(N8443, None, target=b"/", hosts=hosts, **kw)  # type: ignore[arg-type]
+    assert port == (8443 if suffix == ":8443" else None)
+    if port is not None:
+        assert isinstance(accepted, Name)
 
 
 # -- step 2: the route --------------------------------------------------------------------------------
