@@ -3,9 +3,9 @@
 Chromium opens sandbox A's page with ``?token=``, follows the gateway's 303 (which sets the host-only
 cookie and drops the parameter), and the page's script then fetches from A (same origin, the cookie) and
 from sandbox B's name (public, CORS with credentials so the request keeps the page's connection pool).
-``--host-resolver-rules`` maps every sandbox name to 127.0.0.1 and the gateway's port (so the URLs are
-the production ones, without a port: the gateway's 303 names the host without one), and one wildcard
-certificate covers both names, so Chromium puts B's request on A's HTTP/2 connection (RFC 9113 9.1.1).
+``--host-resolver-rules`` maps every sandbox name to 127.0.0.1; the URLs carry the gateway's port (the
+303 keeps it), and one wildcard certificate covers both names, so Chromium puts B's request on A's HTTP/2
+connection (RFC 9113 9.1.1).
 
 What must hold, from all three sides:
 
@@ -76,8 +76,8 @@ class Browser:
 @pytest.fixture(scope="module")
 def browser(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
     fwd = ForwarderThread(forwarder_settings(pki))
-    alpha = StreamApp("alpha", page=PAGE.replace("B_URL", f"https://beta.{DOMAIN}/whoami").encode())
-    beta = StreamApp("beta", cors_origin=f"https://alpha.{DOMAIN}")
+    alpha = StreamApp("alpha")
+    beta = StreamApp("beta")
     routes = tmp_path_factory.mktemp("browser-routes") / "routes.json"
     routes.write_text(json.dumps({"sandboxes": {
         "alpha": registration(pki, fwd.port, {alpha.port: ("http", "token")}, default=alpha.port),
@@ -85,6 +85,9 @@ def browser(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Brow
     }}))
     with gateway_log() as log:
         gw = GatewayThread(pki, routes)
+        # The origins carry the gateway's port, known once it listens (before any request comes).
+        alpha.page = PAGE.replace("B_URL", f"https://beta.{DOMAIN}:{gw.port}/whoami").encode()
+        beta.cors_origin = f"https://alpha.{DOMAIN}:{gw.port}"
         yield Browser(pki, fwd, gw, alpha, beta, log)
         gw.stop()
     fwd.stop()
@@ -141,14 +144,14 @@ def test_chromium_coalesces_two_sandboxes_and_each_answer_comes_from_its_own(bro
     redirects = gw.sample("sbxnet_gateway_requests_total", {"kind": "http2", "status": "303"})
     start = len(browser.log.lines)
     alpha_seen, beta_seen = len(browser.alpha.requests), len(browser.beta.requests)
-    url = f"https://alpha.{DOMAIN}/?token={TOKEN}"
+    url = f"https://alpha.{DOMAIN}:{gw.port}/?token={TOKEN}"
     r = subprocess.run(
         [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--no-default-browser-check", f"--user-data-dir={tmp_path / 'profile'}",
          # Only the sandboxes' names: Chromium's own background requests (update checks, dictionaries,
          # accounts) would otherwise reach the gateway too.
-         f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1:{gw.port},MAP * ~NOTFOUND",
+         f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1,MAP * ~NOTFOUND",
          f"--ignore-certificate-errors-spki-list={front_spki(gw)}", f"--log-net-log={tmp_path / 'netlog.json'}",
          "--virtual-time-budget=15000", "--dump-dom", url],
         capture_output=True, text=True, timeout=90,
@@ -173,7 +176,7 @@ def test_chromium_coalesces_two_sandboxes_and_each_answer_comes_from_its_own(bro
     # and was not sent again on another session.
     alpha, beta = f"alpha.{DOMAIN}", f"beta.{DOMAIN}"
     streams = h2_streams(tmp_path / "netlog.json")
-    assert [(h, s) for h, a, s in streams if a == beta] == [(alpha, "200")], streams
+    assert [(h, s) for h, a, s in streams if a == f"{beta}:{gw.port}"] == [(alpha, "200")], streams
 
     # The gateway's side: both sandboxes reached from one client connection (its JSON log), none refused.
     links = browser.log.events("link_open", since=start)
