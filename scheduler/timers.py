@@ -176,6 +176,15 @@ class SandboxState:
     fenced: bool = False  # a stop the driver announced was cancelled by traffic, a wake or a hold
 
 
+def _copy(st: SandboxState) -> SandboxState:
+    """A copy of ``st``, built directly: ``dataclasses.replace`` costs several times as much, and a batch
+    copies every sandbox it names (``snapshot``) and a store read restores every row (``restore``)."""
+    return SandboxState(
+        st.active_since, st.state, st.last_activity, st.bytes_in, st.bytes_out, st.open_connections,
+        st.hold_until, st.stopped_at, st.wake_from, st.fenced,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class SandboxStatus:
     """One row of ``sbxnet scheduler status`` and ``GET /v1/sandboxes``."""
@@ -278,13 +287,13 @@ class TimerCore:
 
     def restore(self, config: SandboxConfig, state: SandboxState) -> None:
         """Install a sandbox as a store saved it (after a restart); no event."""
-        sb = _Sandbox(config, replace(state))
+        sb = _Sandbox(config, _copy(state))
         self._sandboxes[config.sandbox] = sb
         self._schedule(sb)
 
     def snapshot(self, sandbox: str) -> SandboxState:
         """A copy of a sandbox's state, for the store."""
-        return replace(self._get(sandbox).st)
+        return _copy(self._get(sandbox).st)
 
     def config(self, sandbox: str) -> SandboxConfig:
         return self._get(sandbox).config

@@ -4,6 +4,7 @@ stateful test against a plain reference model (docs/scheduler-api.md "States", "
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -21,6 +22,7 @@ from scheduler.timers import (
     Event,
     Input,
     SandboxConfig,
+    SandboxState,
     State,
     TimerCore,
     UnknownSandbox,
@@ -742,3 +744,22 @@ def test_due_names_only_what_is_due_and_changes_nothing() -> None:
     assert core.due(12.0) == ["s00", "s01", "s02"]  # a peek: nothing changed
     assert [e.sandbox for e in core.on_timer(12.0)] == ["s00", "s01", "s02"]
     assert core.due(12.0) == []
+
+
+def test_snapshot_and_restore_copy_every_field() -> None:
+    """Every field of SandboxState set away from its default survives restore then snapshot, and neither
+    shares the object: a field added later and left out of the copy fails here."""
+    values = {
+        "active_since": 1.5, "state": WAKING, "last_activity": 2.5, "bytes_in": 3, "bytes_out": 4,
+        "open_connections": 5, "hold_until": 6.5, "stopped_at": 7.5, "wake_from": STOPPED, "fenced": True,
+    }
+    assert set(values) == {f.name for f in dataclasses.fields(SandboxState)}
+    state = SandboxState(**values)  # type: ignore[arg-type]
+    core = TimerCore()
+    config = SandboxConfig("sbx-1", "inc-1", 10.0)
+    core.restore(config, state)
+    snap = core.snapshot("sbx-1")
+    assert snap == state and snap is not state
+    assert core.snapshot("sbx-1") is not snap
+    state.bytes_in = 99  # the core kept a copy of its own
+    assert core.snapshot("sbx-1").bytes_in == 3
