@@ -21,14 +21,14 @@ import pytest
 from gw_support import DOMAIN, EchoHttp, GatewayThread, forwarder_settings, registration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scheduler"))  # sched_support
-from fwd_support import ForwarderThread, Pki  # noqa: E402  (gw_support put it on the path)
-from sched_support import Client, Platform, SchedulerApp, wait_for  # noqa: E402
+from fwd_support import ForwarderThread, Pki
+from sched_support import Client, Platform, SchedulerApp, wait_for
 
-from certs.loader import client_context  # noqa: E402
-from certs.mint import mint_leaf, write_issued  # noqa: E402
-from gateway.route_source import RouteLookupFailed  # noqa: E402
-from gateway.scheduler_routes import SchedulerRoutes  # noqa: E402
-from scheduler.sqlite_store import SqliteStore  # noqa: E402
+from certs.loader import client_context
+from certs.mint import mint_leaf, write_issued
+from gateway.route_source import RouteLookupFailed
+from gateway.scheduler_routes import SchedulerRoutes
+from scheduler.sqlite_store import SqliteStore
 
 GATEWAY_SAN = "spiffe://sbxnet.test/gateway"
 
@@ -153,7 +153,7 @@ async def test_scale_to_zero_and_back_with_one_wake_for_fifty_requests(chain: Ch
         """The platform: stop the program when the sandbox goes idle, start it again on a wake."""
         sid = ev["sandbox"]
         if ev["to"] == "idle":
-            status, doc = await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "stopping"})
+            _, doc = await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "stopping"})
             if doc.get("proceed"):
                 await asyncio.to_thread(app[0].stop)
                 await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "stopped"})
@@ -188,7 +188,7 @@ async def test_scale_to_zero_and_back_with_one_wake_for_fifty_requests(chain: Ch
         assert [e["to"] for e in platform.events] == ["idle", "waking"]
         assert chain.gw.sample("sbxnet_gateway_wakes_total") == 1
         assert elapsed < 10.0
-        status, doc = await chain.client.admin("GET", "/v1/sandboxes/sleepy")
+        _, doc = await chain.client.admin("GET", "/v1/sandboxes/sleepy")
         assert doc["state"] == "active"
     finally:
         app[0].stop()
