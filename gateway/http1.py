@@ -13,6 +13,12 @@ so no request is ever sent twice. The request body and the response stream both 
 buffered whole. Keep-alive and pipelining (h11 queues pipelined requests), WebSocket and other upgrades
 (after a 101 the bytes pass through both ways, half-close as half-close). Once a response byte has gone
 to the client nothing is retried or synthesised: a failure then closes the connection.
+
+Every request gets one access-log line when it ends (``RequestLog``, shared with the HTTP/2 front), the
+gateway's own answers (400, 401, 403, 404, 421, 431, 503...) included: the client connection's
+``conn_id``, the sandbox and port it asked for, the method, the authority (the routed host name and the
+port the client named, never the client's text), the status, body bytes each way, the duration and, for
+a refusal, its reason token. No target, query, header or cookie is logged, so no token in any form is.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from urllib.parse import urlsplit
 import h11
 
 from gateway.auth import Allow, Deny, Redirect, authorize
-from gateway.names import Name
+from gateway.names import Name, NameRefused, Names
 from gateway.route_source import RouteLookupFailed
 from gateway.routing import Answer, Forward, decide_http, request_target, requested_port
 from gateway.upstream import Upstream, UpstreamFailed
+from sbxnet.errors import LocalProtocolError
 from sbxnet.tls_stream import TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
@@ -76,6 +83,58 @@ class Admitted:
     host: str  # the Host to send upstream
 
 
+@dataclass
+class RequestLog:
+    """One request's access-log line (event ``request``), filled in as it is served and written once by
+    ``emit``. Only values the gateway made or validated go in: the method (a token, bounded), the routed
+    authority, numbers and reason tokens."""
+
+    proto: str  # "http/1.1" or "h2"
+    conn_id: str
+    started: float  # time.monotonic() when the request head was whole
+    method: str = ""
+    authority: str | None = None  # host_of(the name asked for), ":port" when the client named one
+    sandbox: str | None = None
+    port: int | None = None  # the sandbox's port it was routed to
+    status: int = 0  # 0: nothing was answered (the client left, or the stream was reset first)
+    reason: str = ""  # the refusal's reason token, or how an exchange broke
+    bytes_down: int = 0  # response body bytes sent to the client
+    bytes_up: int = 0  # request body bytes sent to the sandbox
+    _done: bool = False
+
+    def set_method(self, method: bytes) -> None:
+        self.method = method[:32].decode("ascii", "replace")
+
+    def emit(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        fields: dict[str, object] = {"proto": self.proto, "method": self.method or None, "authority": self.authority,
+                                     "port": self.port, "status": self.status, "bytes": self.bytes_down,
+                                     "bytes_up": self.bytes_up,
+                                     "duration": round(time.monotonic() - self.started, 6)}
+        log.info("request", extra={"event": "request", "conn_id": self.conn_id, "sandbox_id": self.sandbox,
+                                   "reason": self.reason or None, "fields": fields})
+
+
+def _asked_for(names: Names, target: bytes, hosts: list[bytes], authority: bytes | None, http2: bool,
+               http10: bool) -> Name | None:
+    """The name a request asked for, for its log line only (None when none parses)."""
+    try:
+        return names.request_name(target, hosts, authority=authority, http2=http2, http10=http10)
+    except NameRefused:
+        return None
+
+
+def _log_name(rec: RequestLog, names: Names, name: Name, port: int | None) -> None:
+    try:
+        host = names.host_of(name)
+    except LocalProtocolError:
+        return
+    rec.authority = host if port is None else f"{host}:{port}"
+    rec.sandbox = name.sandbox
+
+
 # The scheduler could not be asked (down, timed out, a bad answer): nothing is cached, the client retries.
 def _no_route_service() -> Refusal:
     return Refusal(503, "the route service is unavailable: try again shortly", [(b"retry-after", b"1")],
@@ -84,17 +143,26 @@ def _no_route_service() -> Refusal:
 
 async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: bytes, hosts: list[bytes],
                 headers: list[tuple[bytes, bytes]], authority: bytes | None = None, http2: bool = False,
-                http10: bool = False, cert_names: tuple[str, ...] = ()) -> Admitted | Refusal:
+                http10: bool = False, cert_names: tuple[str, ...] = (),
+                rec: RequestLog | None = None) -> Admitted | Refusal:
     """One request's decision, shared by the HTTP/1.1 and HTTP/2 fronts: ``routing.request_target``
     (400, 421; ``cert_names``, the SANs the connection's certificate has, let an HTTP/2 request for another
     name it covers through), the route of the request's own name (``decide_http``: 404), a wake if not
-    active (503), ``auth.authorize`` against that route (401, 403, the ``?token=`` redirect)."""
+    active (503), ``auth.authorize`` against that route (401, 403, the ``?token=`` redirect). ``rec`` is
+    told the name asked for (authority, sandbox) and the port routed to."""
     cfg = gw.config
+    rec = rec if rec is not None else RequestLog("", "", 0.0)
     t = request_target(cfg.names, conn_name, target=target, hosts=hosts, authority=authority, http2=http2,
                        http10=http10, cert_names=cert_names)
+    port = requested_port(cfg.names, target=target, hosts=hosts, authority=authority, http2=http2)
     if isinstance(t, Answer):
+        if t.status == 421:  # a valid name, for another connection: say which in the log
+            asked = _asked_for(cfg.names, target, hosts, authority, http2, http10)
+            if asked is not None:
+                _log_name(rec, cfg.names, asked, port)
         return Refusal(t.status, t.message, [], t.reason, close=t.status == 400)
     name = t
+    _log_name(rec, cfg.names, name, port)
     try:
         route = await gw.route(name.sandbox)
     except RouteLookupFailed:
@@ -103,6 +171,7 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: byte
     if isinstance(decision, Answer):
         return Refusal(decision.status, decision.message, [], decision.reason)
     fwd = decision
+    rec.port = fwd.port
     if fwd.route.state != "active":
         try:
             woken = await gw.wake(name.sandbox)
@@ -113,7 +182,6 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: byte
                            "wake_pending")
         fwd = Forward(woken, fwd.sandbox, fwd.port, fwd.protocol, fwd.auth)
     host = cfg.names.host_of(name)
-    port = requested_port(cfg.names, target=target, hosts=hosts, authority=authority, http2=http2)
     verdict = authorize(cfg.auth, auth=fwd.auth, token_sha256=fwd.route.token_sha256, target=target,
                         headers=headers, client_ip=client_ip, host=host, port=port)
     if isinstance(verdict, Deny):
@@ -153,6 +221,7 @@ class H1Session:
         self.up: _Up | None = None
         self._head = bytearray()
         self._requests = 0
+        self._rec = RequestLog("http/1.1", conn_id, time.monotonic())  # the request being served
 
     # -- reading the client ------------------------------------------------------------------------
 
@@ -207,9 +276,11 @@ class H1Session:
         self.gw.metrics.requests.labels("http", str(status)).inc()
         if reason:
             self.gw.metrics.refusals.labels(reason).inc()
+        self._rec.status, self._rec.reason = status, reason
         try:
             await self._send(h11.Response(status_code=status, headers=hdrs))
             await self._send(h11.Data(data=body))
+            self._rec.bytes_down += len(body)
             await self._send(h11.EndOfMessage())
         except h11.LocalProtocolError:
             # The client's side is not in a state to take a response (it broke the protocol): just close.
@@ -227,13 +298,22 @@ class H1Session:
                     return
                 except h11.RemoteProtocolError as e:
                     status = 431 if e.error_status_hint == 431 else 400
-                    await self.answer(status, "bad request" if status == 400 else "request header too large",
-                                      close=True, reason="bad_request" if status == 400 else "header_too_large")
+                    self._rec = RequestLog("http/1.1", self.conn_id, time.monotonic())
+                    try:
+                        await self.answer(status, "bad request" if status == 400 else "request header too large",
+                                          close=True, reason="bad_request" if status == 400 else "header_too_large")
+                    finally:
+                        self._rec.emit()
                     return
                 if req is None:
                     return
                 self._requests += 1
-                keep = await self._one(req)
+                self._rec = RequestLog("http/1.1", self.conn_id, time.monotonic())
+                self._rec.set_method(req.method)
+                try:
+                    keep = await self._one(req)
+                finally:
+                    self._rec.emit()
                 if not keep or self.h.our_state is h11.MUST_CLOSE:
                     return
                 try:
@@ -265,7 +345,7 @@ class H1Session:
             return await self._drain_body()
         hosts = [v for n, v in req.headers if n == b"host"]
         d = await admit(self.gw, self.conn_name, self.peer[0], target=req.target, hosts=hosts,
-                        headers=list(req.headers), http10=req.http_version == b"1.0")
+                        headers=list(req.headers), http10=req.http_version == b"1.0", rec=self._rec)
         if isinstance(d, Refusal):
             await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)
             return not d.close and await self._drain_body()
@@ -360,6 +440,7 @@ class H1Session:
                                                                reason=ev.reason))
                     responded = True
                     if ev.status_code == 101:
+                        self._rec.status = 101
                         self.gw.metrics.requests.labels("upgrade", "101").inc()
                         body_task.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -372,9 +453,11 @@ class H1Session:
                     hdrs = self._response_headers(ev.headers)
                     await self._send(h11.Response(status_code=ev.status_code, headers=hdrs, reason=ev.reason))
                     responded = True
+                    self._rec.status = status
                     self.gw.metrics.first_byte.observe(time.monotonic() - started)
                 elif isinstance(ev, h11.Data):
                     await self._send(h11.Data(data=ev.data))
+                    self._rec.bytes_down += len(ev.data)
                 elif isinstance(ev, h11.EndOfMessage):
                     await self._send(h11.EndOfMessage(headers=ev.headers))
                     break
@@ -388,6 +471,7 @@ class H1Session:
             stream.abort()
             self.up = None
             if isinstance(e, _ClientGone) or responded:
+                self._rec.reason = "client_gone" if isinstance(e, _ClientGone) else "upstream_broken"
                 return False
             await self.answer(502, "the sandbox's app broke the connection", close=True, reason="upstream_broken")
             return False
@@ -419,6 +503,7 @@ class H1Session:
             ev = await self._client_event()
             if isinstance(ev, h11.Data):
                 await up.upstream.stream.write(up.conn.send(h11.Data(data=ev.data)))
+                self._rec.bytes_up += len(ev.data)
             elif isinstance(ev, h11.EndOfMessage):
                 await up.upstream.stream.write(up.conn.send(h11.EndOfMessage(headers=ev.headers)))
             elif isinstance(ev, h11.ConnectionClosed):

@@ -12,6 +12,7 @@ is therefore routed to its own sandbox and port, with its own authentication and
 sandbox's connection limit, when the certificate this connection presented covers the name
 (``tls_front.FrontTls.presented_names``), and answered 421 when it does not; it never reaches the
 connection's first sandbox. Every link it opens is logged under the client connection's ``conn_id``.
+Each stream gets its access-log line when it ends (``http1.RequestLog``), refused, answered or reset.
 
 An ``http`` port: the stream becomes one HTTP/1.1 exchange (h11 client side, one link to the forwarder per
 stream, opened only once the stream is admitted and closed when it ends): ``:method :path HTTP/1.1`` with
@@ -59,7 +60,7 @@ import h2.settings
 import h11
 
 from gateway import h2c_upstream as h2c
-from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, admit
+from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, RequestLog, admit
 from gateway.names import Name
 from gateway.routing import Forward
 from gateway.upstream import UpstreamFailed
@@ -94,6 +95,7 @@ class _Stream:
     done: bool = False  # the handler finished: later DATA is acknowledged and dropped
     chunked: bool = False  # the request goes upstream chunked (it had no Content-Length)
     reset_code: int | None = None  # the client's RST_STREAM code, passed on to an h2c app
+    rec: RequestLog = field(default_factory=lambda: RequestLog("h2", "", time.monotonic()))
 
 
 class _SandboxFull(Exception):
@@ -219,7 +221,8 @@ class H2Session:
         """Handle one h2 event; True when the client ended the connection (GOAWAY)."""
         st: _Stream | None
         if isinstance(ev, h2.events.RequestReceived):
-            new = _Stream(ev.stream_id, list(ev.headers), ev.stream_ended is not None)
+            new = _Stream(ev.stream_id, list(ev.headers), ev.stream_ended is not None,
+                          rec=RequestLog("h2", self.conn_id, time.monotonic()))
             self.streams[ev.stream_id] = new
             new.task = asyncio.create_task(self._serve(new))
         elif isinstance(ev, h2.events.DataReceived):
@@ -264,13 +267,16 @@ class H2Session:
         try:
             await self._stream(st)
         except (asyncio.CancelledError, _ClientGone, h2.exceptions.StreamClosedError):
-            pass  # the client left or reset the stream
+            # the client left or reset the stream
+            st.rec.reason = "client_reset" if st.reset_code is not None else "client_gone"
         except Exception:
             log.exception("internal error", extra={"event": "internal", "conn_id": self.conn_id})
+            st.rec.reason = "internal_error"
             self._reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
             with contextlib.suppress(_ClientGone):
                 await self._flush()
         finally:
+            st.rec.emit()
             st.done = True
             while not st.body.empty():  # what the client sent and nobody read: give its window back
                 item = st.body.get_nowait()
@@ -286,6 +292,7 @@ class H2Session:
         pseudo = {n: v for n, v in st.headers if n.startswith(b":")}
         method = pseudo.get(b":method", b"")
         path = pseudo.get(b":path")
+        st.rec.set_method(method)
         if self.bad_sni:
             await self.answer(st, 421, "this connection's server name is not served here", reason="misdirected")
             return
@@ -295,7 +302,7 @@ class H2Session:
         hosts = [v for n, v in st.headers if n == b"host"]
         headers = _regular_headers(st.headers)
         d = await admit(self.gw, self.conn_name, self.peer[0], target=path, hosts=hosts, headers=headers,
-                        authority=pseudo.get(b":authority"), http2=True, cert_names=self.cert_names)
+                        authority=pseudo.get(b":authority"), http2=True, cert_names=self.cert_names, rec=st.rec)
         if isinstance(d, Refusal):
             await self.answer(st, d.status, d.message, d.headers, reason=d.reason)
             return
@@ -312,6 +319,7 @@ class H2Session:
         self.gw.metrics.requests.labels("http2", str(status)).inc()
         if reason:
             self.gw.metrics.refusals.labels(reason).inc()
+        st.rec.status, st.rec.reason = status, reason
         self.h2.send_headers(st.id, hdrs)
         await self._flush()
         await self._send_data(st, body, end=True)
@@ -326,6 +334,7 @@ class H2Session:
                 await st.window.wait()
                 continue
             self.h2.send_data(st.id, view[:n].tobytes(), end_stream=end and n == len(view))
+            st.rec.bytes_down += n
             view = view[n:]
             await self._flush()
         if end and not data:
@@ -394,6 +403,7 @@ class H2Session:
                     status = ev.status_code
                     self.h2.send_headers(st.id, [(b":status", str(status).encode()), *_response_headers(ev.headers)])
                     responded = True
+                    st.rec.status = status
                     await self._flush()
                     self.gw.metrics.first_byte.observe(time.monotonic() - started)
                     self.gw.metrics.requests.labels("http2", str(status)).inc()
@@ -407,6 +417,7 @@ class H2Session:
         except (OSError, h11.ProtocolError) as e:
             log.debug("stream %d upstream failed: %r", st.id, e)
             if responded:
+                st.rec.reason = "upstream_broken"
                 self._reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
                 await self._flush()
             else:
@@ -435,6 +446,7 @@ class H2Session:
                 data, length = item
                 if data:
                     await stream.write(conn.send(h11.Data(data=data)))
+                    st.rec.bytes_up += len(data)
                 self._ack(length, st.id)
                 await self._flush()
             elif isinstance(item, list):
@@ -561,6 +573,7 @@ class H2Session:
                         continue
                     self.h2.send_headers(st.id, _h2_response_headers(ev.headers), end_stream=ev.ended)
                     responded = True
+                    st.rec.status = int(status) if status.isdigit() else 0
                     await self._flush()
                     self.gw.metrics.first_byte.observe(time.monotonic() - started)
                     self.gw.metrics.requests.labels("http2", status.decode("ascii", "replace")).inc()
@@ -582,6 +595,7 @@ class H2Session:
                     break
                 elif isinstance(ev, h2c.Reset):
                     log.debug("stream %d reset by the app (%d)", st.id, ev.code)
+                    st.rec.reason = "upstream_reset"
                     self._reset(st, _error_code(ev.code))
                     await self._flush()
                     return
@@ -589,9 +603,11 @@ class H2Session:
                     log.debug("stream %d: h2c link ended (%s)", st.id, ev.reason)
                     if ev.refused:
                         # The app's GOAWAY says it never saw the stream: the client may safely retry it.
+                        st.rec.reason = "upstream_refused_stream"
                         self._reset(st, h2.errors.ErrorCodes.REFUSED_STREAM)
                         await self._flush()
                     elif responded:
+                        st.rec.reason = "upstream_broken"
                         self._reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
                         await self._flush()
                     else:
@@ -620,6 +636,7 @@ class H2Session:
                 try:
                     if data:
                         await up.send_data(data)
+                        st.rec.bytes_up += len(data)
                 finally:
                     self._ack(length, st.id)
                 await self._flush()

@@ -9,6 +9,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -339,3 +340,43 @@ def test_a_stream_the_client_resets_leaves_the_others_alone(stack: dict[str, Any
     finally:
         c.close()
     assert json.loads(out[3]["body"])["path"] == "/after-reset"
+
+
+def test_each_stream_gets_one_access_log_line_under_its_connections_conn_id(stack: dict[str, Any]) -> None:
+    from gw_support import TOKEN
+
+    port = stack["gw"].port
+    with gateway_log() as log:
+        c = RawH2(stack, f"alpha.{DOMAIN}")
+        try:
+            c.request(1, f"alpha.{DOMAIN}", f"/a?token={TOKEN}")
+            c.request(3, f"beta.{DOMAIN}:{port}", "/coalesced")
+            c.request(5, f"secure.{DOMAIN}", "/p", (("cookie", f"sbx_token={TOKEN}x"),))
+            c.request(7, f"secure.{DOMAIN}", f"/p?token={TOKEN}")
+            c.request(9, f"secure.{DOMAIN}", "/p", (("authorization", f"Bearer {TOKEN}"),))
+            c.request(11, f"nosuch.{DOMAIN}", "/")
+            c.request(13, f"{TOKEN}.{DOMAIN}:1", "/")  # a port the gateway does not listen on: 400
+            out = c.wait(1, 3, 5, 7, 9, 11, 13)
+            c.request(15, f"alpha.{DOMAIN}", f"/bytes/{16 << 20}")
+            c.wait(15, heads_only=True)
+            c.conn.reset_stream(15)
+            c.sock.sendall(c.conn.data_to_send())
+            deadline = time.monotonic() + 10
+            while len(log.events("request")) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            c.close()
+    lines = log.events("request")
+    said = sorted((line["status"], line.get("sandbox_id") or "", line.get("reason") or "") for line in lines)
+    assert said == sorted([(200, "alpha", ""), (200, "beta", ""), (403, "secure", "wrong_token"), (303, "secure", ""),
+                           (200, "secure", ""), (404, "nosuch", "unknown_sandbox"), (400, "", "wrong_port"),
+                           (200, "alpha", "client_reset")]), said
+    assert len({line["conn_id"] for line in lines}) == 1
+    assert not any(TOKEN in text for text in log.text), [t for t in log.text if TOKEN in t]
+    for line in lines:
+        assert line["proto"] == "h2" and line["method"] == "GET"
+    beta = next(line for line in lines if line.get("sandbox_id") == "beta")
+    assert beta["authority"] == f"beta.{DOMAIN}:{port}"
+    assert beta["bytes"] == len(out[3]["body"])
+    reset = next(line for line in lines if line.get("reason") == "client_reset")
+    assert 0 < reset["bytes"] < 16 << 20

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread
+from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, JsonLines, gateway_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
 from fwd_support import SandboxApp
@@ -236,3 +236,81 @@ def test_a_websocket_session_through_the_gateway(stack: dict[str, Any]) -> None:
             ws.send(msg)
             assert ws.recv(timeout=10) == msg
     assert gw.sample("sbxnet_gateway_requests_total", {"kind": "upgrade", "status": "101"}) >= 1
+
+
+def wait_lines(log: JsonLines, n: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The first ``n`` access-log lines, once written (a line is written as its request ends, which may be
+    just after the client has read the answer)."""
+    deadline = time.monotonic() + timeout
+    while len(log.events("request")) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lines = log.events("request")
+    assert len(lines) == n, lines
+    return lines
+
+
+def test_one_access_log_line_per_request_refusals_included_and_never_the_token(stack: dict[str, Any]) -> None:
+    port = stack["gw"].port
+    fmt = ("-o", "/dev/null", "-w", "%{http_code} %{size_download}")
+    # (URL, curl arguments, status, reason, the sandbox asked for, the authority logged)
+    cases: list[tuple[str, tuple[str, ...], int, str | None, str | None, str | None]] = [
+        (f"https://alpha.{DOMAIN}/a?token={TOKEN}", (), 200, None, "alpha", f"alpha.{DOMAIN}:{port}"),
+        (f"https://alpha.{DOMAIN}/", ("-H", f"Host: Beta.{DOMAIN}"), 421, "misdirected", "beta", f"beta.{DOMAIN}"),
+        (f"https://secure.{DOMAIN}/p", (), 401, "missing_token", "secure", f"secure.{DOMAIN}:{port}"),
+        (f"https://secure.{DOMAIN}/p", ("-H", f"X-Sbx-Token: {TOKEN}x"), 403, "wrong_token", "secure",
+         f"secure.{DOMAIN}:{port}"),
+        (f"https://secure.{DOMAIN}/p?token={TOKEN}", (), 303, None, "secure", f"secure.{DOMAIN}:{port}"),
+        (f"https://secure.{DOMAIN}/p", ("-H", f"Authorization: Bearer {TOKEN}", "-H", f"Cookie: sbx_token={TOKEN}"),
+         200, None, "secure", f"secure.{DOMAIN}:{port}"),
+        (f"https://nobody.{DOMAIN}/", (), 404, "unknown_sandbox", "nobody", f"nobody.{DOMAIN}:{port}"),
+        (f"https://gone.{DOMAIN}/", (), 503, "*", "gone", f"gone.{DOMAIN}:{port}"),  # the last failure's reason
+        (f"https://alpha.{DOMAIN}/", ("-H", f"Host: {TOKEN}@alpha.{DOMAIN}"), 400, "bad_authority", None, None),
+        (f"https://alpha.{DOMAIN}/", ("-H", "X-Big: " + "a" * 20000), 431, "header_too_large", None, None),
+    ]
+    with gateway_log() as log:
+        sizes = []
+        for url, args, status, *_ in cases:
+            r = curl(stack, url, args=(*fmt, *args))
+            code, downloaded = r.stdout.split()
+            assert int(code) == status, (url, r.stdout, r.stderr)
+            sizes.append(int(downloaded))
+        smuggled = exchange(stack, SMUGGLING["cl_te"])
+        assert smuggled.startswith(b"HTTP/1.1 400")
+        lines = wait_lines(log, len(cases) + 1)
+        assert not any(TOKEN in text for text in log.text), [t for t in log.text if TOKEN in t]
+
+    def find(status: int, reason: str | None, sandbox: str | None) -> dict[str, Any]:
+        found = [line for line in lines if (line["status"], line.get("sandbox_id")) == (status, sandbox)
+                 and (line.get("reason") == reason or (reason == "*" and line.get("reason")))]
+        assert len(found) == 1, (status, reason, sandbox, lines)
+        return found[0]
+
+    for (url, _, status, reason, sandbox, authority), size in zip(cases, sizes, strict=True):
+        line = find(status, reason, sandbox)
+        assert line["authority"] == authority, (url, line)
+        assert line["method"] == "GET" and line["proto"] == "http/1.1" and line["bytes"] == size, (url, line)
+        assert 0 <= line["duration"] < 30 and len(line["conn_id"]) == 16, line
+    assert find(503, "*", "gone")["duration"] >= 0.4  # the route's 0.5 s connect deadline
+    smuggling = find(400, "content_length_with_transfer_encoding", None)
+    assert smuggling["method"] == "POST" and smuggling["bytes_up"] == 0
+    assert len({line["conn_id"] for line in lines}) == len(lines)  # a connection each
+
+
+def test_a_request_body_and_an_upgrade_are_counted_in_their_lines(stack: dict[str, Any], tmp_path: Path) -> None:
+    from websockets.sync.client import connect
+
+    body = tmp_path / "up.bin"
+    body.write_bytes(b"z" * 300_000)
+    with gateway_log() as log:
+        r = curl(stack, f"https://alpha.{DOMAIN}/upload", args=("--data-binary", f"@{body}"))
+        assert json.loads(r.stdout)["body_len"] == 300_000
+        ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
+        sock = socket.create_connection(("127.0.0.1", stack["gw"].port), timeout=10)
+        with connect(f"wss://ws.{DOMAIN}:{stack['gw'].port}/", sock=sock, ssl=ctx,
+                     server_hostname=f"ws.{DOMAIN}") as ws:
+            ws.send("hello")
+            assert ws.recv(timeout=10) == "hello"
+        post, upgrade = wait_lines(log, 2)
+    assert (post["method"], post["status"], post["bytes_up"], post["sandbox_id"]) == ("POST", 200, 300_000, "alpha")
+    assert post["bytes"] == len(r.stdout.encode())
+    assert (upgrade["status"], upgrade["sandbox_id"]) == (101, "ws")
