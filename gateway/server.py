@@ -8,7 +8,7 @@ source); a sandbox that is not active is woken once however many requests wait (
 Limits: ``max_connections`` (taken before accept, so at the limit the kernel's backlog holds new clients)
 and ``max_connections_per_sandbox``.
 
-Raw TCP routes (``relay``) have auth ``public`` or ``client_cert``. With a ``client_ca_file`` the
+Raw TCP routes (``relay.relay``) have auth ``public`` or ``client_cert``. With a ``client_ca_file`` the
 ClientHello's server name is read before the handshake (``tls_front.hello_server_name``, on bytes peeked,
 not taken, off the socket), and a connection for a ``client_cert`` route is made from a context that
 requires a client certificate chaining to that CA: a missing or unverifiable certificate fails the
@@ -22,7 +22,6 @@ a byte resets both sides, so a truncated stream never looks complete.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import secrets
@@ -37,6 +36,7 @@ from gateway.auth import AuthConfig
 from gateway.http1 import H1Session
 from gateway.http2 import H2Session
 from gateway.names import NameRefused, Names
+from gateway.relay import relay
 from gateway.route_cache import RouteCache
 from gateway.route_source import RouteLookupFailed, RouteSource, Waker, WakeRefused
 from gateway.routing import Forward, RawForward, decide_connection
@@ -381,67 +381,3 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         await fut
     finally:
         loop.remove_reader(sock.fileno())
-
-
-class _Truncated(Exception):
-    """A TLS stream ended with a TCP FIN but no close_notify."""
-
-
-async def relay(client: TlsStream, link: TlsStream, *, idle: float, leftover: bytes = b"") -> tuple[str, int, int]:
-    """A raw route's bytes, both ways, until both directions ended in order, or anything else.
-
-    The rule at both TLS ends (the client and the link) is the forwarder's: close_notify ends that
-    direction only, and is passed on as close_notify then FIN (the forwarder passes it to the sandbox as
-    FIN) while the other direction goes on. A TCP FIN without close_notify is not an orderly end (an
-    attacker or a crash can cut a stream so), nor is a reset or a TLS error: both sides are then reset,
-    so neither takes a truncated stream for a complete one. ``idle`` seconds without a byte either way
-    resets both too. ``leftover``: bytes that came with the forwarder's status, the first for the client.
-    Returns how it ended (``closed``, ``truncated``, ``reset``, ``idle``) and the bytes moved up (client
-    to sandbox) and down."""
-    last = [time.monotonic()]
-    moved = [0, 0]
-
-    async def one(src: TlsStream, dst: TlsStream, i: int, first: bytes = b"") -> None:
-        if first:
-            await dst.write(first)
-            moved[i] += len(first)
-        while True:
-            data = await src.read()
-            if not data:
-                if src.eof != "close_notify":
-                    raise _Truncated()
-                await dst.write_eof()
-                return
-            last[0] = time.monotonic()
-            await dst.write(data)
-            moved[i] += len(data)
-
-    tasks = [asyncio.create_task(one(client, link, 0)), asyncio.create_task(one(link, client, 1, leftover))]
-    ended = "closed"
-    try:
-        while True:
-            done, pending = await asyncio.wait(tasks, timeout=max(0.05, last[0] + idle - time.monotonic()),
-                                               return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t.exception() for t in done if t.exception() is not None]
-            if failed:
-                ended = "truncated" if isinstance(failed[0], _Truncated) else "reset"
-                log.debug("raw relay ended by %r", failed[0])
-                break
-            if not pending:
-                break
-            if time.monotonic() - last[0] >= idle:
-                ended = "idle"
-                break
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        if ended == "closed":
-            client.close()
-            link.close()
-        else:
-            client.abort()
-            link.abort()
-    return ended, moved[0], moved[1]

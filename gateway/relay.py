@@ -1,0 +1,82 @@
+"""Bytes both ways between two TLS streams (a raw TCP route's client and its link), by one ending rule.
+
+The rule at both TLS ends is the forwarder's (docs/forwarder.md): close_notify ends one direction only and
+is passed on as close_notify then FIN, while the other direction goes on; a TCP FIN without close_notify
+(a cut connection, or a truncation attack), a reset or a TLS error resets both sides, so neither takes a
+truncated stream for a complete one. Nothing is parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from sbxnet.tls_stream import TlsStream
+
+log = logging.getLogger("sbxnet.gateway")
+
+
+class _Truncated(Exception):
+    """A TLS stream ended with a TCP FIN but no close_notify."""
+
+
+async def relay(client: TlsStream, link: TlsStream, *, idle: float, leftover: bytes = b"") -> tuple[str, int, int]:
+    """A raw route's bytes, both ways, until both directions ended in order, or anything else.
+
+    The rule at both TLS ends (the client and the link) is the forwarder's: close_notify ends that
+    direction only, and is passed on as close_notify then FIN (the forwarder passes it to the sandbox as
+    FIN) while the other direction goes on. A TCP FIN without close_notify is not an orderly end (an
+    attacker or a crash can cut a stream so), nor is a reset or a TLS error: both sides are then reset,
+    so neither takes a truncated stream for a complete one. ``idle`` seconds without a byte either way
+    resets both too. ``leftover``: bytes that came with the forwarder's status, the first for the client.
+    Returns how it ended (``closed``, ``truncated``, ``reset``, ``idle``) and the bytes moved up (client
+    to sandbox) and down."""
+    last = [time.monotonic()]
+    moved = [0, 0]
+
+    async def one(src: TlsStream, dst: TlsStream, i: int, first: bytes = b"") -> None:
+        if first:
+            await dst.write(first)
+            moved[i] += len(first)
+        while True:
+            data = await src.read()
+            if not data:
+                if src.eof != "close_notify":
+                    raise _Truncated()
+                await dst.write_eof()
+                return
+            last[0] = time.monotonic()
+            await dst.write(data)
+            moved[i] += len(data)
+
+    tasks = [asyncio.create_task(one(client, link, 0)), asyncio.create_task(one(link, client, 1, leftover))]
+    ended = "closed"
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=max(0.05, last[0] + idle - time.monotonic()),
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t.exception() for t in done if t.exception() is not None]
+            if failed:
+                ended = "truncated" if isinstance(failed[0], _Truncated) else "reset"
+                log.debug("raw relay ended by %r", failed[0])
+                break
+            if not pending:
+                break
+            if time.monotonic() - last[0] >= idle:
+                ended = "idle"
+                break
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if ended == "closed":
+            client.close()
+            link.close()
+        else:
+            client.abort()
+            link.abort()
+    return ended, moved[0], moved[1]
