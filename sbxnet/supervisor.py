@@ -72,11 +72,10 @@ def supervise(plan: WorkerPlan) -> int:
         )
         return 1
     metrics_dir = tempfile.mkdtemp(prefix="sbxnet-metrics-")
-    # prometheus_client picks its value store when first imported: set the directory before that,
-    # here and (inherited) in every worker.
+    # prometheus_client picks its value store when first imported: each worker is a new interpreter that
+    # finds the directory in its environment before that. The supervisor makes no metric of its own (it
+    # reads the workers' files), so whether it imported prometheus_client already does not matter.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    if "prometheus_client" in sys.modules:
-        log.warning("prometheus_client imported before the supervisor; worker metrics may not be summed")
     try:
         import uvloop
 
@@ -104,7 +103,7 @@ class _Supervisor:
         self.procs[proc.pid] = proc
         self.index[proc.pid] = index
         self.log.info("worker started",
-                      extra={"event": "worker_started", "pid": proc.pid, "fields": {"index": index}})
+                      extra={"event": "worker_started", "fields": {"index": index, "worker_pid": proc.pid}})
 
     def _signal_all(self, sig: int) -> None:
         for proc in self.procs.values():
@@ -154,8 +153,8 @@ class _Supervisor:
                 multiprocess.mark_process_dead(pid, self.metrics_dir)
                 now = time.monotonic()
                 self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
-                self.log.error("worker exited",
-                               extra={"event": "worker_exited", "pid": pid, "fields": {"code": code}})
+                self.log.error("worker exited", extra={"event": "worker_exited",
+                                                       "fields": {"index": index, "worker_pid": pid, "code": code}})
                 if code == 1 and not self.restarts[:-1]:
                     # A worker that cannot even start (port taken, bad material) will not do better
                     # on a restart: stop everything and say so.
