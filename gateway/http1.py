@@ -11,7 +11,9 @@ come up), ``auth.authorize`` (401, 403, or the ``?token=`` redirect), then the l
 forwarder (``upstream.open_upstream``; 502/503/504 from it). Only then does a request byte go upstream,
 so no request is ever sent twice. The request body and the response stream both ways at once, never
 buffered whole. Keep-alive and pipelining (h11 queues pipelined requests), WebSocket and other upgrades
-(after a 101 the bytes pass through both ways, half-close as half-close). Once a response byte has gone
+(after a 101 the bytes pass through both ways by the raw routes' rule, ``relay.relay``: close_notify ends
+one direction and is passed on, a TCP FIN without close_notify, a reset or a TLS error resets both sides,
+``websocket_idle_timeout`` without a byte too). Once a response byte has gone
 to the client nothing is retried or synthesised: a failure then closes the connection.
 
 Every request gets one access-log line when it ends (``RequestLog``, shared with the HTTP/2 front), the
@@ -35,6 +37,7 @@ import h11
 
 from gateway.auth import Allow, Deny, Redirect, authorize
 from gateway.names import Name, NameRefused, Names
+from gateway.relay import relay
 from gateway.route_source import RouteLookupFailed
 from gateway.routing import Answer, Forward, decide_http, request_target, requested_port
 from gateway.upstream import Upstream, UpstreamFailed
@@ -512,55 +515,24 @@ class H1Session:
                 return
 
     async def _switch(self, up: _Up) -> None:
-        """After 101: bytes both ways, each direction ending on its own (half-close as half-close)."""
+        """After 101: bytes both ways by the raw routes' rule (``relay.relay``): close_notify ends one
+        direction and is passed on; a bare FIN, a reset or a TLS error resets both sides."""
         client_rest, _ = self.h.trailing_data
         up_rest, _ = up.conn.trailing_data
         stream = up.upstream.stream
         self.up = None
         if client_rest:
-            await stream.write(client_rest)
-        if up_rest:
-            await self.client.write(up_rest)
-        await pipe(self.client, stream, idle=self.gw.config.websocket_idle_timeout)
-
-
-async def pipe(a: TlsStream, b: TlsStream, *, idle: float) -> str:
-    """Copy both ways until both directions ended, a reset (passed on as a reset), or ``idle`` seconds
-    with no byte either way. Returns how it ended: closed, reset, idle."""
-    last = [time.monotonic()]
-
-    async def one(src: TlsStream, dst: TlsStream) -> None:
-        while True:
-            data = await src.read()
-            if not data:
-                await dst.write_eof()
+            try:
+                await stream.write(client_rest)
+            except OSError:
+                stream.abort()
+                self.client.abort()
+                self._rec.reason = "reset"
                 return
-            last[0] = time.monotonic()
-            await dst.write(data)
-
-    tasks = [asyncio.create_task(one(a, b)), asyncio.create_task(one(b, a))]
-    try:
-        while True:
-            done, pending = await asyncio.wait(tasks, timeout=max(0.05, last[0] + idle - time.monotonic()),
-                                               return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    log.debug("pipe ended by %r", t.exception())
-                    a.abort()
-                    b.abort()
-                    return "reset"
-            if not pending:
-                a.close()
-                b.close()
-                return "closed"
-            if time.monotonic() - last[0] >= idle:
-                a.abort()
-                b.abort()
-                return "idle"
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-
+            self._rec.bytes_up += len(client_rest)
+        ended, sent, received = await relay(self.client, stream, idle=self.gw.config.websocket_idle_timeout,
+                                            leftover=up_rest)
+        self._rec.bytes_up += sent
+        self._rec.bytes_down += received
+        if ended != "closed":
+            self._rec.reason = ended  # truncated, reset or idle: both sides were reset

@@ -10,11 +10,12 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, JsonLines, gateway_log
+from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, JsonLines, gateway_log, registration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
 from fwd_support import SandboxApp
@@ -314,3 +315,137 @@ def test_a_request_body_and_an_upgrade_are_counted_in_their_lines(stack: dict[st
     assert (post["method"], post["status"], post["bytes_up"], post["sandbox_id"]) == ("POST", 200, 300_000, "alpha")
     assert post["bytes"] == len(r.stdout.encode())
     assert (upgrade["status"], upgrade["sandbox_id"]) == (101, "ws")
+
+
+# -- after a 101: the raw routes' ending rule -----------------------------------------------------------
+
+
+def ws_endings_app(conn: socket.socket) -> str:
+    """A sandbox's WebSocket program (websockets' server protocol over a plain socket, so the test sees how
+    TCP ended): echoes text, answers a close frame and closes its side; returns how the connection ended
+    at the socket: ``eof`` (a FIN), ``reset``."""
+    from websockets.frames import Frame, Opcode
+    from websockets.http11 import Request
+    from websockets.server import ServerProtocol
+
+    proto = ServerProtocol()
+    while True:
+        try:
+            data = conn.recv(65536)
+        except ConnectionResetError:
+            return "reset"
+        if not data:
+            return "eof"
+        proto.receive_data(data)
+        for ev in proto.events_received():
+            if isinstance(ev, Request):
+                proto.send_response(proto.accept(ev))
+            elif isinstance(ev, Frame) and ev.opcode is Opcode.TEXT:
+                proto.send_text(ev.data)
+        for out in proto.data_to_send():
+            if out:
+                conn.sendall(out)
+            else:
+                conn.shutdown(socket.SHUT_WR)  # the protocol's "close the TCP connection now"
+
+
+class WsClient:
+    """A WebSocket client (websockets' client protocol) over a TLS socket the test controls, so it can end
+    TLS with close_notify or without."""
+
+    def __init__(self, stack: dict[str, Any], port: int, name: str) -> None:
+        from websockets.client import ClientProtocol
+        from websockets.http11 import Response
+        from websockets.uri import parse_uri
+
+        ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
+        ctx.set_alpn_protocols(["http/1.1"])
+        self.tls = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname=name)
+        self.proto = ClientProtocol(parse_uri(f"wss://{name}:{port}/"))
+        self.proto.send_request(self.proto.connect())
+        self.flush()
+        while not any(isinstance(ev, Response) for ev in self.read_events()):
+            pass
+
+    def flush(self) -> None:
+        for out in self.proto.data_to_send():
+            if out:
+                self.tls.sendall(out)
+
+    def read_events(self) -> list[Any]:
+        data = self.tls.recv(65536)
+        if data:
+            self.proto.receive_data(data)
+        else:
+            self.proto.receive_eof()
+        return list(self.proto.events_received())
+
+    def echo(self, text: str) -> str:
+        from websockets.frames import Frame, Opcode
+
+        self.proto.send_text(text.encode())
+        self.flush()
+        while True:
+            for ev in self.read_events():
+                if isinstance(ev, Frame) and ev.opcode is Opcode.TEXT:
+                    return bytes(ev.data).decode()
+
+
+@pytest.fixture(scope="module")
+def ws_endings(stack: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayThread, Any]]:
+    app = SandboxApp(lambda conn: app.results.append(ws_endings_app(conn)))
+    routes = tmp_path_factory.mktemp("ws-routes") / "routes.json"
+    routes.write_text(json.dumps({"sandboxes": {"wsend": registration(
+        stack["pki"], stack["fwd"].port, {app.port: ("http", "public")}, default=app.port)}}))
+    gw = GatewayThread(stack["pki"], routes)
+    yield gw, app
+    gw.stop()
+    app.close()
+
+
+def wait_result(app: Any, n: int, timeout: float = 10.0) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while len(app.results) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(app.results) == n, app.results
+    return list(app.results)
+
+
+def test_a_websocket_whose_client_drops_tcp_without_close_notify_is_reset_at_the_app(
+    stack: dict[str, Any], ws_endings: tuple[GatewayThread, Any]
+) -> None:
+    gw, app = ws_endings
+    before = len(app.results)
+    with gateway_log() as log:
+        c = WsClient(stack, gw.port, f"wsend.{DOMAIN}")
+        assert c.echo("before the cut") == "before the cut"
+        c.tls.shutdown(socket.SHUT_WR)  # ssl's shutdown: a bare TCP FIN, no close_notify
+        assert wait_result(app, before + 1)[-1] == "reset"  # a truncation is never passed on as an end
+        with pytest.raises(OSError):  # the gateway reset the client's side too
+            while c.tls.recv(65536):
+                pass
+        c.tls.close()
+        lines = wait_lines(log, 1)
+    assert (lines[0]["status"], lines[0]["reason"], lines[0]["sandbox_id"]) == (101, "truncated", "wsend")
+
+
+def test_a_websocket_closed_cleanly_ends_cleanly_at_the_app(stack: dict[str, Any],
+                                                             ws_endings: tuple[GatewayThread, Any]) -> None:
+    from websockets.frames import Close
+
+    gw, app = ws_endings
+    before = len(app.results)
+    with gateway_log() as log:
+        c = WsClient(stack, gw.port, f"wsend.{DOMAIN}")
+        assert c.echo("hello") == "hello"
+        c.proto.send_close(1000)
+        c.flush()
+        while data := c.tls.recv(65536):  # the app's close frame, then its FIN, passed on as close_notify
+            c.proto.receive_data(data)
+        assert isinstance(c.proto.close_rcvd, Close) and c.proto.close_rcvd.code == 1000
+        c.tls.unwrap()  # our close_notify (the peer's came already), then the FIN
+        c.tls.close()
+        assert wait_result(app, before + 1)[-1] == "eof"
+        lines = wait_lines(log, 1)
+    assert (lines[0]["status"], lines[0].get("reason"), lines[0]["sandbox_id"]) == (101, None, "wsend")
+    assert lines[0]["bytes_up"] > 0 and lines[0]["bytes"] > 0
