@@ -5,6 +5,8 @@ using SO_REUSEPORT could otherwise silently take a share of our connections), st
 serves the ops endpoints with metrics summed over the workers (prometheus_client's multiprocess mode),
 forwards SIGHUP, turns SIGTERM into a drain of every worker, and restarts a worker that dies: at most
 ``MAX_RESTARTS_PER_WINDOW`` in ``RESTART_WINDOW_S``, and none for a worker that could not even start.
+A supervisor that is killed outright takes its workers with it: each gets SIGTERM from the kernel
+(``PR_SET_PDEATHSIG``, Linux) and drains.
 
 A worker is ``python -m <worker_module> <index>`` with its settings as JSON on stdin; it binds the port
 itself with SO_REUSEPORT and serves no ops endpoints of its own. Worker ``i`` is 0..workers-1, and one
@@ -16,6 +18,7 @@ processes (``multiprocess_mode``), counters and histograms sum by themselves.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import shutil
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_PER_WINDOW = 5
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,12 @@ class _Supervisor:
         self.index: dict[int, int] = {}  # pid -> the worker's index
         self.restarts: list[float] = []
         self.stopping = False
+        self._pid = os.getpid()
+        self._prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
 
     def _spawn(self, index: int) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", self.plan.worker_module, str(index)], stdin=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-m", self.plan.worker_module, str(index)], stdin=subprocess.PIPE,
+                                preexec_fn=self._die_with_supervisor)
         assert proc.stdin is not None
         proc.stdin.write(self.plan.settings_json.encode())
         proc.stdin.close()
@@ -104,6 +111,12 @@ class _Supervisor:
         self.index[proc.pid] = index
         self.log.info("worker started",
                       extra={"event": "worker_started", "fields": {"index": index, "worker_pid": proc.pid}})
+
+    def _die_with_supervisor(self) -> None:
+        # In the child, between fork and exec: a supervisor killed outright (SIGKILL, the OOM killer) sends
+        # its workers no SIGTERM, and orphans would go on holding the port. The kernel sends it instead.
+        if self._prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != self._pid:
+            os._exit(1)  # no such guard, or the supervisor is already gone
 
     def _signal_all(self, sig: int) -> None:
         for proc in self.procs.values():
