@@ -2,12 +2,17 @@
 
 SIGTERM and SIGINT drain (stop accepting, let live connections finish up to ``drain_timeout``); SIGHUP
 reloads the client-facing certificates and the routes file, keeping the old ones if either fails to load.
+With ``workers`` > 1 the supervisor in ``sbxnet.supervisor`` starts that many of these processes
+(``gateway.worker``) on one port (SO_REUSEPORT), serves the ops endpoints with their metrics summed, and
+passes the signals on. Each worker has its own route source, route cache and wake coalescing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import signal
 import sys
 
@@ -84,12 +89,35 @@ def serve(settings: GatewaySettings, *, check_only: bool = False) -> int:
     if check_only:
         print("gateway: settings, certificates and routes are valid")
         return 0
+    workers = settings.workers or (os.cpu_count() or 1)
+    if workers > 1:
+        from sbxnet.supervisor import WorkerPlan, supervise
+
+        s = settings
+        return supervise(WorkerPlan(
+            component="gateway",
+            worker_module="gateway.worker",
+            settings_json=json.dumps(s.model_dump(mode="json")),
+            workers=workers,
+            listen_host=str(s.listen_host),
+            listen_port=s.listen_port,
+            port_setting="listen_port / SBXNET_GATEWAY_LISTEN_PORT",
+            metrics_host=str(s.metrics_host),
+            metrics_port=s.metrics_port,
+            stop_grace=s.drain_timeout + 5,
+        ))
+    return run_single(settings)
+
+
+def run_single(settings: GatewaySettings, *, reuse_port: bool = False, ops: bool = True) -> int:
+    """One gateway process until SIGTERM or SIGINT: alone (``reuse_port`` False, its own ops endpoints), or
+    as a supervisor's worker (SO_REUSEPORT on the listen port, no ops endpoints: the supervisor serves them)."""
     import uvloop
 
-    return uvloop.run(_main(settings))
+    return uvloop.run(_main(settings, reuse_port=reuse_port, ops=ops))
 
 
-async def _main(settings: GatewaySettings) -> int:
+async def _main(settings: GatewaySettings, *, reuse_port: bool, ops: bool) -> int:
     from prometheus_client import generate_latest
 
     from gateway.server import GatewayServer
@@ -98,11 +126,11 @@ async def _main(settings: GatewaySettings) -> int:
 
     config = build_config(settings)
     server = GatewayServer(config)
-    ops = None
-    if settings.metrics_port:
-        ops = OpsServer(lambda: generate_latest(server.metrics.registry), lambda: server.ready)
+    ops_server = None
+    if ops and settings.metrics_port:
+        ops_server = OpsServer(lambda: generate_latest(server.metrics.registry), lambda: server.ready)
         try:
-            port = await ops.start(str(settings.metrics_host), settings.metrics_port)
+            port = await ops_server.start(str(settings.metrics_host), settings.metrics_port)
         except OSError as e:
             print(f"gateway: cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: {e.strerror} "
                   "(choose another metrics_port, or 0 to disable)", file=sys.stderr)
@@ -110,12 +138,12 @@ async def _main(settings: GatewaySettings) -> int:
         log.info("ops endpoints up", extra={"event": "ops_listening",
                                              "fields": {"address": f"{settings.metrics_host}:{port}"}})
     try:
-        listener = bind_listener(str(settings.listen_host), settings.listen_port, reuse_port=False,
+        listener = bind_listener(str(settings.listen_host), settings.listen_port, reuse_port=reuse_port,
                                  setting="listen_port / SBXNET_GATEWAY_LISTEN_PORT")
     except ListenError as e:
         print(f"gateway: {e.detail}", file=sys.stderr)
-        if ops:
-            await ops.close()
+        if ops_server:
+            await ops_server.close()
         return 1
     await server.start(listener)
     log.info("gateway listening", extra={"event": "listening",
@@ -131,8 +159,8 @@ async def _main(settings: GatewaySettings) -> int:
     cut = await server.drain(settings.drain_timeout)
     if isinstance(config.routes, SchedulerRoutes):
         await config.routes.close()
-    if ops:
-        await ops.close()
+    if ops_server:
+        await ops_server.close()
     log.info("stopped", extra={"event": "stopped", "fields": {"cut": cut}})
     return 0
 

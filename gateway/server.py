@@ -80,7 +80,9 @@ class GatewayMetrics:
                                 registry=r)
         self.refusals = Counter("sbxnet_gateway_refusals", "Requests or connections refused, by reason", ["reason"],
                                 registry=r)
-        self.connections = Gauge("sbxnet_gateway_open_connections", "Client connections open", registry=r)
+        # With workers, the supervisor serves the sum over the live ones (counters and histograms sum anyway).
+        self.connections = Gauge("sbxnet_gateway_open_connections", "Client connections open", registry=r,
+                                 multiprocess_mode="livesum")
         self.handshake_failures = Counter("sbxnet_gateway_handshake_failures", "Client TLS handshakes failed",
                                           registry=r)
         self.upstream_attempts = Counter("sbxnet_gateway_upstream_attempts", "TCP attempts to forwarders",

@@ -50,7 +50,7 @@ class GatewaySettings(BaseSettings):
     token_header: str = "X-Sbx-Token"
     token_cookie: str = "sbx_token"
     token_param: str = "token"
-    workers: int = Field(1, ge=1, le=1, description="one process for now (SO_REUSEPORT workers come later)")
+    workers: int = Field(1, ge=0, le=256, description="processes sharing the port (SO_REUSEPORT); 0 = one per core")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     _split = field_validator("cert_files", "key_files", mode="before")(split_list)
