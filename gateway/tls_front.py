@@ -19,13 +19,25 @@ asked for a certificate; a browser on an HTTP route is never prompted for one.
 ``presented_names`` says which certificate a connection was shown (the DNS SANs of its context's):
 what names its requests may carry (``routing.request_target``, for HTTP/2 coalescing).
 
+A server name that is not ASCII (IDNA names travel as ``xn--`` A-labels, so only a broken or hostile
+client sends one) never reaches an SNI callback: CPython decodes the name as ASCII first and, failing,
+reports the error as "unraisable" (a traceback on stderr, not a JSON line) and fails the handshake with an
+internal_error alert. ``guard_server_names`` (run by ``FrontTls`` and the probe) puts a hook in front of
+``sys.unraisablehook`` that takes exactly that report: the handshake is refused as before, quietly, and
+counted in ``refused_server_names`` (reason ``sni_not_ascii``); the probe answers ``UNREADABLE`` (and does
+not count it: the handshake that follows does). Any other unraisable goes on to the hook that was there.
+
 ``reload()`` loads every certificate (and the client CA) again and swaps the whole set only if all of
 them load (``certs.loader.Reloadable``): a bad file keeps the old set serving.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import ssl
+import sys
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +50,41 @@ from certs.loader import LOAD_ERRORS, Reloadable
 from gateway.cert_select import choose
 
 ALPN = ("h2", "http/1.1")
+
+log = logging.getLogger("sbxnet.gateway")
+
+# Handshakes refused for their server name before any SNI callback could see it, by reason, in this process
+# (CPython's report names no connection): ``sni_not_ascii``.
+refused_server_names: collections.Counter[str] = collections.Counter()
+_probing = threading.local()  # set while hello_server_name's handshake runs on this thread
+
+
+def _is_sni_decode_error(u: sys.UnraisableHookArgs) -> bool:
+    """Whether ``u`` is CPython's report of a ClientHello server name it could not decode as ASCII (its
+    ``_servername_callback``: the object is the name's bytes, the error their ASCII decoding)."""
+    e = u.exc_value
+    return (u.err_msg is None and isinstance(u.object, bytes) and isinstance(e, UnicodeDecodeError)
+            and e.encoding == "ascii" and e.object == u.object)
+
+
+def guard_server_names() -> None:
+    """Put the server-name hook in front of ``sys.unraisablehook`` (once; again if it was replaced since)."""
+    current = sys.unraisablehook
+    if getattr(current, "_sbxnet_sni_guard", False):
+        return
+
+    def hook(u: sys.UnraisableHookArgs) -> None:
+        if not _is_sni_decode_error(u):
+            current(u)
+        elif getattr(_probing, "active", False):
+            _probing.refused = True
+        else:
+            refused_server_names["sni_not_ascii"] += 1
+            log.debug("TLS server name not ASCII: handshake refused",
+                      extra={"event": "sni_refused", "reason": "sni_not_ascii"})
+
+    hook._sbxnet_sni_guard = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 @dataclass(frozen=True)
@@ -100,6 +147,7 @@ class FrontTls:
 
     def __init__(self, pairs: Sequence[CertPair], *, alpn: Sequence[str] = ALPN,
                  client_ca_file: Path | None = None) -> None:
+        guard_server_names()
         self._pairs = tuple(pairs)
         self.alpn = tuple(alpn)
         self.client_ca_file = client_ca_file
@@ -180,7 +228,8 @@ class HelloName:
 
 
 NEED_MORE: Literal["need_more"] = "need_more"  # the ClientHello is not whole yet
-UNREADABLE: Literal["unreadable"] = "unreadable"  # OpenSSL refused the bytes before reaching the server name
+# OpenSSL refused the bytes before reaching the server name, or CPython refused the name (not ASCII)
+UNREADABLE: Literal["unreadable"] = "unreadable"
 HelloResult = HelloName | Literal["need_more", "unreadable"]
 
 _probe_names: weakref.WeakKeyDictionary[object, str | None] = weakref.WeakKeyDictionary()
@@ -208,21 +257,27 @@ def hello_server_name(data: bytes) -> HelloResult:
     OpenSSL parses it, with the same settings as the real handshake (TLS 1.2 at least): a throw-away server
     object is fed ``data`` from memory and stopped in its SNI callback, and what it would send is dropped.
     ``NEED_MORE`` while the ClientHello is incomplete; ``UNREADABLE`` when OpenSSL refuses the bytes before
-    the server name (not TLS, an old version, a malformed hello): the real handshake then fails the same way.
-    Never raises."""
+    the server name (not TLS, an old version, a malformed hello) and for a server name that is not ASCII:
+    the real handshake then fails the same way. Never raises, and writes nothing to stderr."""
+    guard_server_names()
     incoming = ssl.MemoryBIO()
     obj = _PROBE.wrap_bio(incoming, ssl.MemoryBIO(), server_side=True)
     incoming.write(data)
+    _probing.active, _probing.refused = True, False
     try:
         obj.do_handshake()
     except ssl.SSLWantReadError:
         return NEED_MORE
     except ssl.SSLError:
         pass
+    finally:
+        _probing.active = False
+    if _probing.refused:
+        return UNREADABLE
     if obj in _probe_names:
         return HelloName(_probe_names.pop(obj))
     return UNREADABLE
 
 
 __all__ = ["ALPN", "LOAD_ERRORS", "NEED_MORE", "UNREADABLE", "CertPair", "FrontTls", "HelloName",
-           "hello_server_name"]
+           "guard_server_names", "hello_server_name", "refused_server_names"]

@@ -9,6 +9,7 @@ import ipaddress
 import json
 import logging
 import socket
+import ssl
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -255,3 +256,28 @@ def gateway_log() -> Iterator[JsonLines]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+
+
+def client_hello(server_name: str | None, *, tls12: bool = False) -> bytes:
+    """The ClientHello Python's ssl sends for ``server_name`` (what a client's first bytes are)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    if tls12:
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    out = ssl.MemoryBIO()
+    obj = ctx.wrap_bio(ssl.MemoryBIO(), out, server_hostname=server_name)
+    try:
+        obj.do_handshake()
+    except ssl.SSLWantReadError:
+        return out.read()
+    raise AssertionError("a client handshake finished with no server")
+
+
+def non_ascii_hello(*, tls12: bool = False) -> bytes:
+    """A well-formed ClientHello whose server name is ``é.<DOMAIN>`` in UTF-8, which no ssl client sends
+    (they send the IDNA A-label): Python's ``xx.<DOMAIN>`` hello with the two name bytes swapped for
+    ``é``'s two, so every length still holds."""
+    hello = client_hello(f"xx.{DOMAIN}", tls12=tls12)
+    assert hello.count(f"xx.{DOMAIN}".encode()) == 1
+    return hello.replace(f"xx.{DOMAIN}".encode(), "é".encode() + f".{DOMAIN}".encode())

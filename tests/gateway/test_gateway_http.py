@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, JsonLines, gateway_log, registration
+from gw_support import DOMAIN, TOKEN, EchoHttp, GatewayThread, JsonLines, gateway_log, non_ascii_hello, registration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ingress"))  # fwd_support
 from fwd_support import SandboxApp
@@ -449,3 +449,22 @@ def test_a_websocket_closed_cleanly_ends_cleanly_at_the_app(stack: dict[str, Any
         lines = wait_lines(log, 1)
     assert (lines[0]["status"], lines[0].get("reason"), lines[0]["sandbox_id"]) == (101, None, "wsend")
     assert lines[0]["bytes_up"] > 0 and lines[0]["bytes"] > 0
+
+
+def test_a_client_hello_with_a_non_ascii_server_name_is_refused_and_counted(stack: dict[str, Any]) -> None:
+    from gateway import tls_front
+
+    gw: GatewayThread = stack["gw"]
+    failures = gw.sample("sbxnet_gateway_handshake_failures_total")
+    refused = tls_front.refused_server_names["sni_not_ascii"]
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+        s.sendall(non_ascii_hello())
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer[:1] == b"\x15" and answer[-2:] == b"\x02\x50", answer  # one fatal alert, then the close
+    deadline = time.monotonic() + 10
+    while gw.sample("sbxnet_gateway_handshake_failures_total") == failures and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gw.sample("sbxnet_gateway_handshake_failures_total") == failures + 1
+    assert tls_front.refused_server_names["sni_not_ascii"] == refused + 1

@@ -4,15 +4,21 @@ memory BIOs with clients that verify the certificate they get against the name t
 
 from __future__ import annotations
 
+import json
 import shutil
 import ssl
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from gw_support import DOMAIN, client_hello, non_ascii_hello
 
 from certs.mint import mint_ca, mint_leaf, write_issued
+from gateway import tls_front
 from gateway.cert_select import choose, covers
-from gateway.tls_front import CertPair, FrontTls
+from gateway.tls_front import UNREADABLE, CertPair, FrontTls, HelloName, hello_server_name
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +204,89 @@ def test_choose_prefers_exact_then_wildcard_then_the_first() -> None:
     assert choose(None, certs) == 0
     with pytest.raises(ValueError):
         choose("a", [])
+
+
+# -- a server name that is not ASCII -------------------------------------------------------------------
+
+# pytest turns any unraisable report into an error (pyproject's filterwarnings): these tests fail if the
+# name's decoding error reaches sys.unraisablehook's default (the traceback on stderr) instead of the guard.
+
+
+@pytest.mark.parametrize("tls12", [False, True])
+def test_a_server_name_that_is_not_ascii_is_refused_quietly_and_counted(pki: Path, tls12: bool) -> None:
+    front = FrontTls(pairs(pki, "wild"))
+    hello = non_ascii_hello(tls12=tls12)
+    before = tls_front.refused_server_names["sni_not_ascii"]
+    assert hello_server_name(hello) == UNREADABLE  # the probe: refused, not counted (the handshake counts)
+    assert tls_front.refused_server_names["sni_not_ascii"] == before
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = front.context.wrap_bio(incoming, outgoing, server_side=True)
+    incoming.write(hello)
+    with pytest.raises(ssl.SSLError) as e:
+        obj.do_handshake()
+    assert not isinstance(e.value, ssl.SSLWantReadError)
+    assert tls_front.refused_server_names["sni_not_ascii"] == before + 1
+    alert = outgoing.read()
+    assert alert[:1] == b"\x15" and alert[-2:] == b"\x02\x50"  # a fatal internal_error alert, then nothing
+    # the same hello with an ASCII name is read as before
+    assert hello_server_name(client_hello(f"xx.{DOMAIN}", tls12=tls12)) == HelloName(f"xx.{DOMAIN}")
+
+
+def test_other_unraisable_reports_still_reach_the_hook_that_was_there(pki: Path) -> None:
+    FrontTls(pairs(pki, "wild"))  # the guard is in place
+    seen: list[object] = []
+    inner = sys.unraisablehook
+
+    def spy(u: sys.UnraisableHookArgs) -> None:
+        seen.append(u.object)
+
+    def report(exc: BaseException, obj: object, err_msg: str | None = None) -> None:
+        # what CPython hands the hook (sys.UnraisableHookArgs cannot be made from Python)
+        sys.unraisablehook(SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None,
+                                           err_msg=err_msg, object=obj))
+
+    bad = b"\xc3\xa9.x"
+    sys.unraisablehook = spy
+    before = tls_front.refused_server_names["sni_not_ascii"]
+    try:
+        tls_front.guard_server_names()  # wraps the spy
+        report(ValueError("x"), b"obj")
+        report(UnicodeDecodeError("ascii", b"other", 0, 1, "no"), bad)  # not the name's own decoding
+        report(UnicodeDecodeError("utf-8", bad, 0, 1, "no"), bad)
+        report(UnicodeDecodeError("ascii", bad, 0, 1, "no"), bad, "Exception ignored while closing")
+        report(UnicodeDecodeError("ascii", bad, 0, 1, "ordinal not in range(128)"), bad)  # the name: taken
+    finally:
+        sys.unraisablehook = inner
+    assert seen == [b"obj", bad, bad, bad]
+    assert tls_front.refused_server_names["sni_not_ascii"] == before + 1
+
+
+def test_a_process_reading_a_non_ascii_server_name_writes_nothing_to_stderr(pki: Path) -> None:
+    """The real default hook (no pytest in front of it): a child process builds the front and the probe,
+    is sent the hello both ways, and says what happened; its stderr must stay empty."""
+    script = f"""
+import json, ssl, sys
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from gw_support import non_ascii_hello
+from gateway import tls_front
+from gateway.tls_front import CertPair, FrontTls, hello_server_name
+front = FrontTls([CertPair(Path({str(pki / "wild.crt")!r}), Path({str(pki / "wild.key")!r}))])
+hello = non_ascii_hello()
+probe = hello_server_name(hello)
+incoming = ssl.MemoryBIO()
+obj = front.context.wrap_bio(incoming, ssl.MemoryBIO(), server_side=True)
+incoming.write(hello)
+try:
+    obj.do_handshake()
+    handshake = "done"
+except ssl.SSLError as e:
+    handshake = type(e).__name__
+counted = tls_front.refused_server_names["sni_not_ascii"]
+print(json.dumps({{"probe": probe, "handshake": handshake, "counted": counted}}))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    assert json.loads(r.stdout) == {"probe": "unreadable", "handshake": "SSLError", "counted": 1}
