@@ -99,6 +99,7 @@ class SandboxApp:
     def __init__(self, handler: Callable[[socket.socket], None], *, port: int = 0, listen: bool = True) -> None:
         self.handler = handler
         self.accepted = 0
+        self.gone_before_accept = 0  # connections reset in the backlog, skipped
         self.errors: list[BaseException] = []
         self.peers: list[tuple[str, int]] = []
         self.results: list[Any] = []
@@ -128,8 +129,14 @@ class SandboxApp:
                 conn, _ = self._lsock.accept()
             except OSError:
                 return
+            try:
+                peer = conn.getpeername()
+            except OSError:  # ENOTCONN: reset while it waited in the backlog; nothing to serve
+                conn.close()
+                self.gone_before_accept += 1
+                continue
             self.accepted += 1
-            self.peers.append(conn.getpeername())
+            self.peers.append(peer)
             t = threading.Thread(target=self._run, args=(conn,), daemon=True)
             t.start()  # started before it is listed: join() may run in another thread at any moment
             self._threads.append(t)
@@ -219,4 +226,14 @@ class ForwarderThread:
 
 
 def open_fds() -> set[int]:
-    return {int(x) for x in os.listdir("/proc/self/fd")}
+    """The descriptors open in this process. The listing's own descriptor is closed once listed, so
+    each listed one is checked with fstat and those gone by then are dropped (that one among them)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        fds.add(fd)
+    return fds
