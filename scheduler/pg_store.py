@@ -37,9 +37,15 @@ meets as a duplicate.
 
 Schema: the same tables as SQLite's (``scheduler/sqlite_store.py``) with PostgreSQL types (BIGINT,
 DOUBLE PRECISION, BOOLEAN, an IDENTITY id), created when absent in the connection's ``search_path``
-schema under an advisory lock (replicas may start together), with its version in ``schema_version``;
-another version is refused. The registration is TEXT, ``push_registration``'s JSON as it was written
-(the scheduler reads it back whole and never queries into it, so JSONB would only re-encode it).
+schema under an advisory lock (replicas may start together), with its version in ``schema_version``:
+version 2. A version 1 schema is migrated there under the same lock (as SQLite's version 2 is: open
+counts per source, the one count becoming the unattributed source's, and the ledger's last-applied time,
+0 for the rows that were there); another version is refused. Replicas of different versions must not run
+on one database: stop every replica, then start the new ones (an old one would write no ``open_by`` and no
+``applied_at``). The registration is TEXT, ``push_registration``'s JSON as it was written (the scheduler
+reads it back whole and never queries into it, so JSONB would only re-encode it); ``open_by`` is TEXT too
+(``store.open_by_text``), read as JSONB only by ``open_from``, over the rows a partial index holds (those
+with any open count).
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ from scheduler.store import (
 )
 from scheduler.timers import Event, SandboxState
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA_LOCK = 0x5B8E_5C4E_0001  # pg_advisory_xact_lock key while the schema is checked or created
 
 _SCHEMA = """
@@ -94,13 +100,17 @@ CREATE TABLE sandboxes (
     hold_until DOUBLE PRECISION,
     stopped_at DOUBLE PRECISION,
     wake_from TEXT,
-    fenced BOOLEAN NOT NULL
+    fenced BOOLEAN NOT NULL,
+    open_by TEXT NOT NULL DEFAULT '{}'
 );
+CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}';
 CREATE TABLE feed_ledger (
     identity TEXT PRIMARY KEY,
     epoch TEXT NOT NULL,
     epoch_ns BIGINT NOT NULL,
-    last_seq BIGINT NOT NULL
+    last_seq BIGINT NOT NULL,
+    applied_at DOUBLE PRECISION NOT NULL DEFAULT 0,
+    counts_forgotten BOOLEAN NOT NULL DEFAULT false
 );
 CREATE TABLE events (
     id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -117,6 +127,16 @@ CREATE TABLE events (
 CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
 """
 
+# Version 1 -> 2, as SQLite's 2 -> 3 (scheduler/sqlite_store.py).
+_MIGRATE_1 = (
+    "ALTER TABLE sandboxes ADD COLUMN open_by TEXT NOT NULL DEFAULT '{}'",
+    """UPDATE sandboxes SET open_by = '{"":' || open_connections || '}' WHERE open_connections > 0""",
+    "CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}'",
+    "ALTER TABLE feed_ledger ADD COLUMN applied_at DOUBLE PRECISION NOT NULL DEFAULT 0",
+    "ALTER TABLE feed_ledger ADD COLUMN counts_forgotten BOOLEAN NOT NULL DEFAULT false",
+    "UPDATE schema_version SET version = 2",
+)
+
 _ROW_COLS = f"sandbox, registration, registered_at, {', '.join(STATE_COLUMNS)}"
 # Arrays go as %b (binary): the text format quotes each element, which costs more than the statement.
 _LOCK = f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox = ANY(%b) ORDER BY sandbox FOR UPDATE"
@@ -126,7 +146,7 @@ _PUT = (
     + ", ".join(f"{c} = excluded.{c}" for c in ("incarnation", "registration", "registered_at", *STATE_COLUMNS))
 )
 # One statement for a whole batch's states: a column per array, matched to the rows by sandbox.
-_STATE_TYPES = ("text", "float8", "float8", "int8", "int8", "int8", "float8", "float8", "text", "bool")
+_STATE_TYPES = ("text", "float8", "float8", "int8", "int8", "int8", "float8", "float8", "text", "bool", "text")
 _SAVE = (
     f"UPDATE sandboxes AS s SET {', '.join(f'{c} = v.{c}' for c in STATE_COLUMNS)} "
     f"FROM unnest(%b::text[], {', '.join(f'%b::{t}[]' for t in _STATE_TYPES)}) "
@@ -143,6 +163,12 @@ _CLAIM_FIRST = (  # an epoch's first batch: no record, or one of an older epoch
     "WHERE feed_ledger.epoch_ns < excluded.epoch_ns"
 )
 _CLAIM_NEXT = "UPDATE feed_ledger SET last_seq = %s WHERE identity = %s AND epoch = %s AND last_seq = %s"
+# ``open_by <> '{}'`` as the index says it, so the planner reads the partial index.
+_OPEN_FROM = "SELECT sandbox FROM sandboxes WHERE open_by <> '{}' AND (open_by::jsonb) ? %s ORDER BY sandbox"
+_STALE = (
+    "SELECT identity FROM feed_ledger WHERE applied_at < %s AND NOT counts_forgotten "
+    "ORDER BY identity FOR UPDATE SKIP LOCKED"
+)
 _CLAIM_WEBHOOKS = (
     "UPDATE events SET claimed_by = %s, claimed_until = %s WHERE id IN ("
     f"SELECT id FROM events WHERE webhook = {WEBHOOK_DUE} "
@@ -221,6 +247,19 @@ class PgTx:
             cur = self.execute(_CLAIM_NEXT, (rec.last_seq, identity, rec.epoch, rec.last_seq - 1))
         if cur.rowcount != 1:
             raise LedgerConflict(identity)
+
+    def note_applied(self, identity: str, now: float) -> None:
+        sql = "UPDATE feed_ledger SET applied_at = %s, counts_forgotten = false WHERE identity = %s"
+        self.execute(sql, (now, identity))
+
+    def open_from(self, source: str) -> list[str]:
+        return [str(r[0]) for r in self.execute(_OPEN_FROM, (source,)).fetchall()]
+
+    def stale_sources(self, before: float) -> list[str]:
+        return [str(r[0]) for r in self.execute(_STALE, (before,)).fetchall()]
+
+    def mark_forgotten(self, identity: str) -> None:
+        self.execute("UPDATE feed_ledger SET counts_forgotten = true WHERE identity = %s", (identity,))
 
     def _insert_events(self, events: Sequence[Event]) -> list[int]:
         if not events:
@@ -339,14 +378,22 @@ class PgStore(OneShotWrites):
                         tx.execute(stmt)
                 tx.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
                 return
-            rows = tx.execute("SELECT version FROM schema_version").fetchall()
-            if [tuple(r) for r in rows] != [(SCHEMA_VERSION,)]:
+            rows = [tuple(r) for r in tx.execute("SELECT version FROM schema_version").fetchall()]
+            if rows == [(1,)]:
+                for stmt in _MIGRATE_1:
+                    tx.execute(stmt)
+                return
+            if rows != [(SCHEMA_VERSION,)]:
                 found = [r[0] for r in rows]
-                raise StoreError("schema_version", f"the database has {found}, this build knows {SCHEMA_VERSION}")
+                raise StoreError(
+                    "schema_version", f"the database has {found}, this build knows 1 and {SCHEMA_VERSION}"
+                )
 
     def _sandbox_of(self, row: Sequence[Any]) -> StoredSandbox:
         sandbox, body, registered_at = str(row[0]), str(row[1]), row[2]
-        return StoredSandbox(sandbox, self._regs.get(sandbox, body), float(registered_at), state_of(row[3:]))
+        return StoredSandbox(
+            sandbox, self._regs.get(sandbox, body), float(registered_at), state_of(sandbox, row[3:])
+        )
 
     # -- reads ----------------------------------------------------------------------------------
 

@@ -19,9 +19,17 @@ and is raised as ``StoreError``. Reads outside a transaction see the latest comm
 
 Webhook claims (``claim_webhooks``) are ``claimed_by`` / ``claimed_until`` on the event row.
 
-The schema is created on open, with its version in ``schema_version``: version 2 (version 1 had no
-webhook claim columns; a version 1 file is migrated on open by adding them). A file of any other version
-is refused.
+Open counts per source (``SandboxState.open_by``) are JSON text in ``sandboxes.open_by`` (``{}`` for
+none); a partial index on the rows with any lets ``open_from`` read just those (``json_each`` then finds
+the source). The ledger row also says when its last batch was applied (``applied_at``, the scheduler's
+clock) and whether its counts were forgotten since (``counts_forgotten``), for ``stale_sources``.
+
+The schema is created on open, with its version in ``schema_version``: version 3. Older files are
+migrated on open, in one transaction: version 1 had no webhook claim columns (added); version 2 kept one
+open count per sandbox and nothing about when a ledger record was last applied. Its count becomes the
+unattributed source's (``store.UNATTRIBUTED``, which the service forgets once, ``source_stale_s`` after it
+starts), and its ledger rows get ``applied_at`` 0 (the service's grace after a start covers them: a live
+forwarder's next batch sets it). A file of any other version is refused.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ from scheduler.store import (
 )
 from scheduler.timers import Event, SandboxState
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -73,13 +81,17 @@ CREATE TABLE sandboxes (
     hold_until REAL,
     stopped_at REAL,
     wake_from TEXT,
-    fenced INTEGER NOT NULL
+    fenced INTEGER NOT NULL,
+    open_by TEXT NOT NULL DEFAULT '{}'   -- source -> open count, JSON, sorted keys (store.open_by_text)
 );
+CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}';
 CREATE TABLE feed_ledger (
-    identity TEXT PRIMARY KEY,           -- the forwarder certificate's SAN
+    identity TEXT PRIMARY KEY,           -- the forwarder certificate's SAN and the stream: <san>#<n>
     epoch TEXT NOT NULL,
     epoch_ns INTEGER NOT NULL,           -- the epoch's start time: epochs are ordered by it
-    last_seq INTEGER NOT NULL
+    last_seq INTEGER NOT NULL,
+    applied_at REAL NOT NULL DEFAULT 0,  -- when its last batch was applied (the scheduler's clock)
+    counts_forgotten INTEGER NOT NULL DEFAULT 0  -- 1: its open counts were dropped since (stale)
 );
 CREATE TABLE events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, -- AUTOINCREMENT: an id is never reused, even after pruning
@@ -101,6 +113,16 @@ _MIGRATE_1 = (
     "ALTER TABLE events ADD COLUMN claimed_until REAL",
     "UPDATE schema_version SET version = 2",
 )
+# Version 2 -> 3: open counts per source (the one count becomes the unattributed source's, ``""``, as
+# store.open_by_text writes it), and the ledger's last-applied time.
+_MIGRATE_2 = (
+    "ALTER TABLE sandboxes ADD COLUMN open_by TEXT NOT NULL DEFAULT '{}'",
+    """UPDATE sandboxes SET open_by = '{"":' || open_connections || '}' WHERE open_connections > 0""",
+    "CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}'",
+    "ALTER TABLE feed_ledger ADD COLUMN applied_at REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE feed_ledger ADD COLUMN counts_forgotten INTEGER NOT NULL DEFAULT 0",
+    "UPDATE schema_version SET version = 3",
+)
 
 _ROW_COLS = f"sandbox, registration, registered_at, {', '.join(STATE_COLUMNS)}"
 _UPDATE_STATE = f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in STATE_COLUMNS)} WHERE sandbox = ?"
@@ -119,6 +141,11 @@ _CLAIM_FIRST = (  # an epoch's first batch: no record, or one of an older epoch
     "WHERE feed_ledger.epoch_ns < excluded.epoch_ns"
 )
 _CLAIM_NEXT = "UPDATE feed_ledger SET last_seq = ? WHERE identity = ? AND epoch = ? AND last_seq = ?"
+# ``open_by <> '{}'`` as the index says it, so the planner reads the partial index.
+_OPEN_FROM = (
+    "SELECT sandbox FROM sandboxes WHERE open_by <> '{}' "
+    "AND EXISTS (SELECT 1 FROM json_each(sandboxes.open_by) WHERE key = ?) ORDER BY sandbox"
+)
 _LOCK_CHUNK = 500  # IDs per SELECT ... IN (...): well under SQLite's limit on bound parameters
 
 Synchronous = Literal["FULL", "NORMAL"]
@@ -185,6 +212,20 @@ class SqliteTx:
             cur = c.execute(_CLAIM_NEXT, (rec.last_seq, identity, rec.epoch, rec.last_seq - 1))
         if cur.rowcount != 1:
             raise LedgerConflict(identity)
+
+    def note_applied(self, identity: str, now: float) -> None:
+        sql = "UPDATE feed_ledger SET applied_at = ?, counts_forgotten = 0 WHERE identity = ?"
+        self._c().execute(sql, (now, identity))
+
+    def open_from(self, source: str) -> list[str]:
+        return [str(r[0]) for r in self._c().execute(_OPEN_FROM, (source,))]
+
+    def stale_sources(self, before: float) -> list[str]:
+        sql = "SELECT identity FROM feed_ledger WHERE applied_at < ? AND counts_forgotten = 0 ORDER BY identity"
+        return [str(r[0]) for r in self._c().execute(sql, (before,))]
+
+    def mark_forgotten(self, identity: str) -> None:
+        self._c().execute("UPDATE feed_ledger SET counts_forgotten = 1 WHERE identity = ?", (identity,))
 
     @staticmethod
     def _insert_events(c: sqlite3.Connection, events: Sequence[Event]) -> list[int]:
@@ -276,17 +317,21 @@ class SqliteStore(OneShotWrites):
             if rows == [(1,)]:
                 for stmt in _MIGRATE_1:
                     c.execute(stmt)
+                rows = [(2,)]
+            if rows == [(2,)]:
+                for stmt in _MIGRATE_2:
+                    c.execute(stmt)
                 return
             if rows != [(SCHEMA_VERSION,)]:
                 found = [r[0] for r in rows]
                 raise StoreError(
-                    "schema_version", f"the file has version {found}, this build knows 1 and {SCHEMA_VERSION}"
+                    "schema_version", f"the file has version {found}, this build knows 1 to {SCHEMA_VERSION}"
                 )
 
     def _sandbox_of(self, row: Sequence[Any]) -> StoredSandbox:
         sandbox, body, registered_at = str(row[0]), str(row[1]), row[2]
         reg = self._regs.get(sandbox, body)
-        return StoredSandbox(sandbox, reg, float(registered_at), state_of(row[3:]))
+        return StoredSandbox(sandbox, reg, float(registered_at), state_of(sandbox, row[3:]))
 
     # -- reads ----------------------------------------------------------------------------------
 

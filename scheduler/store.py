@@ -3,9 +3,10 @@ the two steps that tie it to the pure cores: ``load_core`` (a ``TimerCore`` rebu
 ``ingest_batch`` (a feed batch judged, applied and persisted exactly once).
 
 The store holds, per sandbox, its registration (the platform's JSON, ``push_registration``), when its
-incarnation began, and the timer core's ``SandboxState`` (state, meters, hold, stop time); per forwarder
-identity the feed ledger's ``Stored`` (epoch, last seq); and every ``Event`` with an increasing id (the
-SSE stream resumes from an id, the webhook retries what is not yet delivered).
+incarnation began, and the timer core's ``SandboxState`` (state, meters, open counts per source, hold,
+stop time); per forwarder identity the feed ledger's ``Stored`` (epoch, last seq), when its last batch was
+applied and whether its open counts have been forgotten since (``stale_sources``); and every ``Event``
+with an increasing id (the SSE stream resumes from an id, the webhook retries what is not yet delivered).
 
 The store is the truth; a replica's ``TimerCore`` is a cache of it. Several replicas may share one store
 (``Store.shared``: PostgreSQL), so every write is one transaction (``Store.transaction``) that first locks
@@ -39,6 +40,7 @@ once it ends (delivery is at least once: a slow owner may deliver after its leas
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -120,6 +122,28 @@ class Tx(Protocol):
         """Claim the ledger record ``decision.store`` for ``batch`` (one conditional statement);
         ``LedgerConflict`` if the stored record moved since the decision. ``decision`` must be an APPLY
         for ``batch`` (LocalProtocolError otherwise)."""
+        ...
+
+    def note_applied(self, identity: str, now: float) -> None:
+        """The identity's batch was applied at ``now`` (after its ``claim``): its open counts are live, so
+        ``stale_sources`` leaves it out until ``now`` is old."""
+        ...
+
+    def open_from(self, source: str) -> list[str]:
+        """The stored sandboxes whose open counts include one from ``source``, by ID (not locked: lock
+        them with ``lock`` and look again at what it returns). Costs the rows with any open count (an
+        index holds just those), not the fleet."""
+        ...
+
+    def stale_sources(self, before: float) -> list[str]:
+        """Identities whose last batch was applied before ``before`` and whose open counts have not been
+        forgotten since (``mark_forgotten``), by identity, locked until the transaction ends. PostgreSQL
+        skips a record another transaction holds (a batch of that identity is being applied: it is not
+        stale)."""
+        ...
+
+    def mark_forgotten(self, identity: str) -> None:
+        """The identity's open counts were dropped: ``stale_sources`` leaves it out until its next claim."""
         ...
 
 
@@ -253,9 +277,35 @@ class OneShotWrites:
 
 STATE_COLUMNS = (
     "state", "active_since", "last_activity", "bytes_in", "bytes_out", "open_connections", "hold_until",
-    "stopped_at", "wake_from", "fenced",
+    "stopped_at", "wake_from", "fenced", "open_by",
 )
 WEBHOOK_NONE, WEBHOOK_DUE, WEBHOOK_DONE = 0, 1, 2  # events.webhook
+# The source of the open counts a store kept before they were kept per source (a migrated row's single
+# count), and of reports from a caller that names none. The service forgets it once, after its start.
+UNATTRIBUTED = ""
+
+
+def open_by_text(open_by: Mapping[str, int]) -> str:
+    """``open_by`` as the JSON text the ``open_by`` column holds: sorted keys, no spaces, so one value has
+    one text (``{}`` for none, which the stores' partial index leaves out)."""
+    if not open_by:
+        return "{}"
+    return json.dumps(open_by, sort_keys=True, separators=(",", ":"))
+
+
+def open_by_of(sandbox: str, text: str) -> dict[str, int]:
+    """The ``open_by`` column's JSON back: an object of positive integer counts, or ``StoreError``."""
+    if text == "{}":
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and type(v) is int and v > 0 for k, v in value.items()
+    ):
+        raise StoreError("bad_row", f"sandbox {sandbox!r}: open_by is not an object of positive counts")
+    return value
 
 
 def state_row(st: SandboxState) -> tuple[object, ...]:
@@ -263,23 +313,27 @@ def state_row(st: SandboxState) -> tuple[object, ...]:
     return (
         st.state.value, st.active_since, st.last_activity, st.bytes_in, st.bytes_out, st.open_connections,
         st.hold_until, st.stopped_at, None if st.wake_from is None else st.wake_from.value, bool(st.fenced),
+        open_by_text(st.open_by),
     )
 
 
-def state_of(row: Sequence[Any]) -> SandboxState:
-    """The state in a row's ``STATE_COLUMNS`` values (which are what the schema says)."""
-    state, active_since, last_activity, bytes_in, bytes_out, n_open, hold_until, stopped_at, wake_from, fenced = row
+def state_of(sandbox: str, row: Sequence[Any]) -> SandboxState:
+    """The state in a row's ``STATE_COLUMNS`` values (which are what the schema says). ``open_connections``
+    is the sum of ``open_by`` (the column is written for readers of the database, not read back)."""
+    state, active_since, last_activity, bytes_in, bytes_out, _, hold_until, stopped_at, wake_from, fenced, by = row
+    open_by = open_by_of(sandbox, by)
     return SandboxState(
-        active_since=float(active_since),
-        state=State(state),
-        last_activity=None if last_activity is None else float(last_activity),
-        bytes_in=int(bytes_in),
-        bytes_out=int(bytes_out),
-        open_connections=int(n_open),
-        hold_until=None if hold_until is None else float(hold_until),
-        stopped_at=None if stopped_at is None else float(stopped_at),
-        wake_from=None if wake_from is None else State(wake_from),
-        fenced=bool(fenced),
+        float(active_since),
+        State(state),
+        None if last_activity is None else float(last_activity),
+        int(bytes_in),
+        int(bytes_out),
+        sum(open_by.values()),
+        open_by,
+        None if hold_until is None else float(hold_until),
+        None if stopped_at is None else float(stopped_at),
+        None if wake_from is None else State(wake_from),
+        bool(fenced),
     )
 
 
@@ -395,6 +449,7 @@ def ingest_batch(
                 if r.sandbox in core:
                     touched[r.sandbox] = core.snapshot(r.sandbox)
             tx.claim(identity, batch, decision)
+            tx.note_applied(identity, now)
             tx.save(touched, events)
     except StoreError as e:
         if not ahead:

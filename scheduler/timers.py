@@ -10,6 +10,14 @@ an open connection; a hold until it ends. Its idle deadline is ``idle_period_s``
 the last activity, the hold's end and the moment it last became active (so a sandbox just woken is not
 declared idle over the silence while it was stopped).
 
+Open connections are counted per source (the feed ledger's identity, ``<san>#<stream>``: one forwarder
+worker), since each source reports only the connections it carries: a sandbox's ``open_connections`` is
+the sum over its sources, and one source's report replaces that source's count only. A source that
+restarted or went silent is dropped with ``forget_source`` (the adapters decide when); a sandbox whose
+count then falls to zero under ``connections`` runs its idle period from that moment, as it does after
+the report that says its last connection closed. An index (source -> sandboxes with a count from it)
+keeps ``forget_source`` proportional to what that source held, not to the fleet.
+
 What is trusted: the feed codec and the HTTP layer have validated shapes and types; the core checks
 only what it decides on (a non-negative count, a positive finite period or hold). A report about an
 unknown sandbox, or whose last activity precedes the sandbox's current incarnation, is counted in
@@ -27,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -169,7 +177,8 @@ class SandboxState:
     last_activity: float | None = None  # the latest activity the policy counts
     bytes_in: int = 0  # totals for this incarnation
     bytes_out: int = 0
-    open_connections: int = 0  # as the latest report said
+    open_connections: int = 0  # the sum of open_by (kept whole: the deadline and status read it)
+    open_by: dict[str, int] = field(default_factory=dict)  # source -> its latest count; no zero counts
     hold_until: float | None = None
     stopped_at: float | None = None  # the driver's latest "stopped": older reports change no state
     wake_from: State | None = None  # while waking: where driver_failed returns to
@@ -181,7 +190,7 @@ def _copy(st: SandboxState) -> SandboxState:
     copies every sandbox it names (``snapshot``) and a store read restores every row (``restore``)."""
     return SandboxState(
         st.active_since, st.state, st.last_activity, st.bytes_in, st.bytes_out, st.open_connections,
-        st.hold_until, st.stopped_at, st.wake_from, st.fenced,
+        dict(st.open_by), st.hold_until, st.stopped_at, st.wake_from, st.fenced,
     )
 
 
@@ -261,6 +270,7 @@ class TimerCore:
     def __init__(self) -> None:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._heap: list[_Entry] = []
+        self._by_source: dict[str, set[str]] = {}  # source -> sandboxes with a count from it
         self._seq = itertools.count()
         self.counters: dict[str, int] = {"report_unknown_sandbox": 0, "report_stale_incarnation": 0}
 
@@ -275,6 +285,8 @@ class TimerCore:
             old.config = replace(config, registered_at=old.config.registered_at)
             self._schedule(old)
             return []
+        if old is not None:
+            self._unindex(old)
         sb = _Sandbox(config, SandboxState(active_since=now))
         self._sandboxes[config.sandbox] = sb
         self._schedule(sb)
@@ -283,12 +295,22 @@ class TimerCore:
 
     def remove(self, sandbox: str) -> bool:
         """Forget a sandbox (its heap entries go stale). False if it was not registered."""
-        return self._sandboxes.pop(sandbox, None) is not None
+        sb = self._sandboxes.pop(sandbox, None)
+        if sb is None:
+            return False
+        self._unindex(sb)
+        return True
 
     def restore(self, config: SandboxConfig, state: SandboxState) -> None:
-        """Install a sandbox as a store saved it (after a restart); no event."""
+        """Install a sandbox as a store saved it (after a restart); no event. ``state`` is taken as it is
+        (its ``open_connections`` should be the sum of its ``open_by``, as every state the core made is)."""
+        old = self._sandboxes.get(config.sandbox)
+        if old is not None:
+            self._unindex(old)
         sb = _Sandbox(config, _copy(state))
         self._sandboxes[config.sandbox] = sb
+        for source in sb.st.open_by:
+            self._by_source.setdefault(source, set()).add(config.sandbox)
         self._schedule(sb)
 
     def snapshot(self, sandbox: str) -> SandboxState:
@@ -311,14 +333,17 @@ class TimerCore:
     # -- the feed ------------------------------------------------------------------------------
 
     def on_report(
-        self, sandbox: str, bytes_in: int, bytes_out: int, open_connections: int, last_activity: float, now: float
+        self, sandbox: str, bytes_in: int, bytes_out: int, open_connections: int, last_activity: float, now: float,
+        source: str = "",
     ) -> list[Event]:
-        """Apply one sandbox's entry of an applied feed batch: byte deltas, the connections open at
-        sending, and its last activity on our clock (receive time minus ``idle_s``).
+        """Apply one sandbox's entry of an applied feed batch from ``source`` (the ledger identity): byte
+        deltas, the connections open at that source at sending (replacing that source's count; the
+        sandbox's ``open_connections`` is the sum over sources), and its last activity on our clock
+        (receive time minus ``idle_s``).
 
         Bytes are activity at ``last_activity``. Under the ``connections`` policy a report with open
-        connections, or the one that says the last of them closed, is activity at ``now`` (the feed
-        carries no close time; the close happened within one report interval before). Activity takes
+        connections, or one that says the last of its source's connections closed, is activity at ``now``
+        (the feed carries no close time; the close happened within one report interval before). Activity takes
         a sandbox that is not active back to ``active`` (why ``traffic``). A report no later than the
         sandbox's last stop adds its bytes and nothing else. Unknown sandbox and previous incarnation:
         counted, dropped."""
@@ -338,8 +363,9 @@ class TimerCore:
             # About the run that was stopped: its connections (any live one would make the report's
             # last activity later than the stop) died with it.
             return []
-        was_open = st.open_connections
-        st.open_connections = open_connections
+        was_open = st.open_by.get(source, 0)
+        if open_connections != was_open:
+            self._set_open(sb, source, open_connections)
         at: float | None = last_activity if bytes_in or bytes_out else None
         if sb.config.activity is Activity.CONNECTIONS and (open_connections or was_open):
             at = now if at is None or now > at else at
@@ -354,6 +380,36 @@ class TimerCore:
         if st.state is State.ACTIVE:
             self._schedule(sb)
         return events
+
+    def forget_source(self, source: str, now: float) -> list[Event]:
+        """Drop ``source``'s open counts from every sandbox (a forwarder worker that restarted, whose new
+        epoch knows nothing of the old one's connections, or one that stopped reporting). An active
+        sandbox under the ``connections`` policy whose count falls to zero has activity at ``now``: its
+        idle period runs from here, as after the report that says its last connection closed. A source
+        that went away is not traffic, so no state changes and the events are none; the list is there so
+        the adapters treat this input as every other."""
+        sids = self._by_source.pop(source, None)
+        if not sids:
+            return []
+        for sid in sids:
+            sb = self._sandboxes[sid]  # the index names registered sandboxes only
+            st = sb.st
+            del st.open_by[source]
+            st.open_connections = sum(st.open_by.values())
+            if (
+                st.open_connections == 0
+                and sb.config.activity is Activity.CONNECTIONS
+                and st.state is State.ACTIVE
+                and (st.last_activity is None or now > st.last_activity)
+            ):
+                st.last_activity = now
+            self._schedule(sb)
+        return []
+
+    def holding(self, source: str) -> list[str]:
+        """The sandboxes with an open count from ``source``, by ID (the adapters lock these rows before
+        ``forget_source``)."""
+        return sorted(self._by_source.get(source, ()))
 
     # -- holds ---------------------------------------------------------------------------------
 
@@ -460,7 +516,7 @@ class TimerCore:
         st = sb.st
         fenced = st.fenced and st.state is State.ACTIVE
         st.stopped_at = now
-        st.open_connections = 0
+        self._clear_open(sb)
         if st.state is State.WAKING:
             st.wake_from = State.STOPPED
             return WakeOutcome([], False)
@@ -540,12 +596,41 @@ class TimerCore:
             st.fenced = False
         elif to is State.STOPPED:
             st.stopped_at = now
-            st.open_connections = 0
+            self._clear_open(sb)
             st.fenced = False
         if frm is State.WAKING:
             st.wake_from = None
         st.state = to
         return Event(sb.config.sandbox, sb.config.incarnation, frm, to, now, _WHY[inp])
+
+    def _set_open(self, sb: _Sandbox, source: str, n: int) -> None:
+        """Set ``source``'s count on ``sb`` (0: drop it), keeping the sum and the index."""
+        st, sid = sb.st, sb.config.sandbox
+        if n:
+            if source not in st.open_by:
+                self._by_source.setdefault(source, set()).add(sid)
+            st.open_by[source] = n
+        else:
+            del st.open_by[source]
+            self._unindex_one(source, sid)
+        st.open_connections = sum(st.open_by.values())
+
+    def _clear_open(self, sb: _Sandbox) -> None:
+        """The sandbox stopped: its connections are gone, whoever carried them."""
+        self._unindex(sb)
+        sb.st.open_by.clear()
+        sb.st.open_connections = 0
+
+    def _unindex(self, sb: _Sandbox) -> None:
+        for source in sb.st.open_by:
+            self._unindex_one(source, sb.config.sandbox)
+
+    def _unindex_one(self, source: str, sid: str) -> None:
+        held = self._by_source.get(source)
+        if held is not None:
+            held.discard(sid)
+            if not held:
+                del self._by_source[source]
 
     def _schedule(self, sb: _Sandbox) -> None:
         """Keep the invariant: a sandbox with a deadline has a live heap entry no later than it."""

@@ -17,11 +17,13 @@ from collections.abc import Iterator
 import pg_support
 import psycopg
 import pytest
-from test_store_contract import E1, FWD, batch, both, reg, register, totals
+from test_store_contract import E1, FWD, FWD2, batch, both, reg, register, totals
 
+from sbxnet.protocol.feed import epoch_start_ns
+from sbxnet.protocol.routes import push_registration
 from scheduler.feed_ledger import Stored, Verdict, decide
-from scheduler.pg_store import PgStore
-from scheduler.store import CoreAhead, LedgerConflict, StoreError, ingest_batch, load_core, sync_core
+from scheduler.pg_store import _OPEN_FROM, SCHEMA_VERSION, PgStore
+from scheduler.store import UNATTRIBUTED, CoreAhead, LedgerConflict, StoreError, ingest_batch, load_core, sync_core
 from scheduler.timers import State, TimerCore
 
 
@@ -197,7 +199,77 @@ def test_replicas_starting_together_create_the_schema_once(dsn: str, stores: lis
     made = both(lambda: PgStore(dsn), lambda: PgStore(dsn), lambda: PgStore(dsn))
     stores += made
     with psycopg.connect(dsn) as c:
-        assert c.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        assert c.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+
+
+# The schema as version 1 made it.
+SCHEMA_V1 = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE sandboxes (
+    sandbox TEXT PRIMARY KEY, incarnation TEXT NOT NULL, registration TEXT NOT NULL,
+    registered_at DOUBLE PRECISION NOT NULL, state TEXT NOT NULL, active_since DOUBLE PRECISION NOT NULL,
+    last_activity DOUBLE PRECISION, bytes_in BIGINT NOT NULL, bytes_out BIGINT NOT NULL,
+    open_connections BIGINT NOT NULL, hold_until DOUBLE PRECISION, stopped_at DOUBLE PRECISION, wake_from TEXT,
+    fenced BOOLEAN NOT NULL
+);
+CREATE TABLE feed_ledger (
+    identity TEXT PRIMARY KEY, epoch TEXT NOT NULL, epoch_ns BIGINT NOT NULL, last_seq BIGINT NOT NULL
+);
+CREATE TABLE events (
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, sandbox TEXT NOT NULL, incarnation TEXT NOT NULL,
+    from_state TEXT, to_state TEXT NOT NULL, at DOUBLE PRECISION NOT NULL, why TEXT NOT NULL,
+    webhook SMALLINT NOT NULL, claimed_by TEXT, claimed_until DOUBLE PRECISION
+);
+CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
+"""
+
+
+def test_a_version_1_schema_is_migrated_with_its_rows(dsn: str, stores: list[PgStore]) -> None:
+    body = push_registration(reg(activity="connections")).decode()
+    with psycopg.connect(dsn) as c:
+        for stmt in SCHEMA_V1.split(";"):
+            if stmt.strip():
+                c.execute(stmt)
+        c.execute("INSERT INTO schema_version VALUES (1)")
+        sql = "INSERT INTO sandboxes VALUES (%s, 'inc-1', %s, 100, %s, 100, 150, 7, 8, %s, NULL, NULL, NULL, false)"
+        c.execute(sql, ("sbx-a", body, "active", 2))
+        c.execute(sql, ("sbx-b", body, "idle", 0))
+        c.execute("INSERT INTO feed_ledger VALUES (%s, %s, %s, 3)", (FWD, E1, epoch_start_ns(E1)))
+    made = both(lambda: PgStore(dsn), lambda: PgStore(dsn))  # two replicas starting: migrated once
+    stores += made
+    store = made[0]
+    with psycopg.connect(dsn) as c:
+        assert c.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    rows = {r.sandbox: r.state for r in store.sandboxes()}
+    assert (rows["sbx-a"].open_by, rows["sbx-a"].open_connections, rows["sbx-a"].bytes_in) == ({UNATTRIBUTED: 2}, 2, 7)
+    assert rows["sbx-b"].open_by == {} and rows["sbx-b"].state is State.IDLE
+    with store.transaction() as tx:
+        assert tx.open_from(UNATTRIBUTED) == ["sbx-a"] and tx.stale_sources(1.0) == [FWD]
+    core = load_core(store)
+    assert ingest_batch(core, store, FWD, batch(E1, 4, ("sbx-b", 1, 1)), 500.0)[0].apply
+    with store.transaction() as tx:
+        assert tx.stale_sources(400.0) == []
+    with store.transaction() as tx:  # open_from can read the partial index (on two rows a scan is cheaper)
+        tx.execute("SET LOCAL enable_seqscan = off")
+        plan = " ".join(r[0] for r in tx.execute("EXPLAIN " + _OPEN_FROM, (FWD,)).fetchall())
+    assert "sandboxes_open" in plan
+
+
+def test_stale_sources_skip_a_record_another_transaction_holds(dsn: str, stores: list[PgStore]) -> None:
+    """A batch of that identity is being applied elsewhere (its ledger row locked): not stale, and the
+    sweep does not wait for it."""
+    store, core = open_with(stores, dsn, "sbx-a")
+    ingest_batch(core, store, FWD, batch(E1, 1, ("sbx-a", 1, 1)), 100.0)
+    ingest_batch(core, store, FWD2, batch(E1, 1, ("sbx-a", 1, 1)), 100.0)
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT 1 FROM feed_ledger WHERE identity = %s FOR UPDATE", (FWD,))
+        t0 = time.monotonic()
+        with store.transaction() as tx:
+            assert tx.stale_sources(200.0) == [FWD2]
+        assert time.monotonic() - t0 < 5.0
+        other.rollback()
+    with store.transaction() as tx:
+        assert tx.stale_sources(200.0) == [FWD, FWD2]
 
 
 def test_a_schema_of_another_version_is_refused(dsn: str, stores: list[PgStore]) -> None:

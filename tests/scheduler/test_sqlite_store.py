@@ -27,11 +27,28 @@ from hypothesis import strategies as st
 from forwarder.ingress.feed_outbox import Outbox
 from forwarder.ingress.metering import SandboxDelta
 from sbxnet.errors import LocalProtocolError
-from sbxnet.protocol.feed import Answer, Batch, SandboxReport, new_epoch, pull_answer, pull_batch, push_answer
-from sbxnet.protocol.routes import Registration, pull_registration
+from sbxnet.protocol.feed import (
+    Answer,
+    Batch,
+    SandboxReport,
+    epoch_start_ns,
+    new_epoch,
+    pull_answer,
+    pull_batch,
+    push_answer,
+)
+from sbxnet.protocol.routes import Registration, pull_registration, push_registration
 from scheduler.feed_ledger import Verdict, decide
-from scheduler.sqlite_store import SCHEMA_VERSION, SqliteStore
-from scheduler.store import CoreAhead, LedgerConflict, StoreError, ingest_batch, load_core, sync_core
+from scheduler.sqlite_store import _OPEN_FROM, SCHEMA_VERSION, SqliteStore
+from scheduler.store import (
+    UNATTRIBUTED,
+    CoreAhead,
+    LedgerConflict,
+    StoreError,
+    ingest_batch,
+    load_core,
+    sync_core,
+)
 from scheduler.timers import Event, SandboxConfig, State, TimerCore, Why
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,31 +128,99 @@ def test_a_file_of_another_schema_version_is_refused(db: Path) -> None:
     assert e.value.reason == "schema_version"
 
 
-def test_a_version_1_file_is_migrated_with_its_events(db: Path) -> None:
-    store, core = with_sandboxes(db, "sbx-a")
-    ids = store.save({"sbx-a": core.snapshot("sbx-a")}, core.on_timer(1000.0))
-    store.close()
-    c = sqlite3.connect(db)  # the events table as version 1 had it: no claim columns
-    c.executescript(
-        """
-        BEGIN;
-        ALTER TABLE events RENAME TO v2;
-        CREATE TABLE events (
-            id INTEGER PRIMARY KEY AUTOINCREMENT, sandbox TEXT NOT NULL, incarnation TEXT NOT NULL,
-            from_state TEXT, to_state TEXT NOT NULL, at REAL NOT NULL, why TEXT NOT NULL, webhook INTEGER NOT NULL
-        );
-        INSERT INTO events SELECT id, sandbox, incarnation, from_state, to_state, at, why, webhook FROM v2;
-        DROP TABLE v2;
-        UPDATE schema_version SET version = 1;
-        COMMIT;
-        """
-    )
+# The schema as version 2 wrote it (version 1: the same without the events' claim columns).
+SCHEMA_V2 = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE sandboxes (
+    sandbox TEXT PRIMARY KEY, incarnation TEXT NOT NULL, registration TEXT NOT NULL, registered_at REAL NOT NULL,
+    state TEXT NOT NULL, active_since REAL NOT NULL, last_activity REAL, bytes_in INTEGER NOT NULL,
+    bytes_out INTEGER NOT NULL, open_connections INTEGER NOT NULL, hold_until REAL, stopped_at REAL,
+    wake_from TEXT, fenced INTEGER NOT NULL
+);
+CREATE TABLE feed_ledger (
+    identity TEXT PRIMARY KEY, epoch TEXT NOT NULL, epoch_ns INTEGER NOT NULL, last_seq INTEGER NOT NULL
+);
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, sandbox TEXT NOT NULL, incarnation TEXT NOT NULL, from_state TEXT,
+    to_state TEXT NOT NULL, at REAL NOT NULL, why TEXT NOT NULL, webhook INTEGER NOT NULL,
+    claimed_by TEXT, claimed_until REAL
+);
+CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
+"""
+
+
+def old_file(db: Path, version: int) -> None:
+    """A file as version 1 or 2 left it: sbx-a active with two connections open (one count, no source),
+    sbx-b idle with none, a ledger record, and sbx-a's idle event due to the webhook."""
+    schema = SCHEMA_V2 if version == 2 else SCHEMA_V2.replace(",\n    claimed_by TEXT, claimed_until REAL", "")
+    body = push_registration(reg(activity="connections")).decode()
+    c = sqlite3.connect(db)
+    c.executescript(schema)
+    c.execute("INSERT INTO schema_version VALUES (?)", (version,))
+    sql = "INSERT INTO sandboxes VALUES (?, 'inc-1', ?, 100.0, ?, 100.0, 150.0, 7, 8, ?, NULL, NULL, NULL, 0)"
+    c.execute(sql, ("sbx-a", body, "active", 2))
+    c.execute(sql, ("sbx-b", body, "idle", 0))
+    c.execute("INSERT INTO feed_ledger VALUES (?, ?, ?, 3)", (FWD, E1, epoch_start_ns(E1)))
+    c.execute("INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) "
+              "VALUES ('sbx-b', 'inc-1', 'active', 'idle', 400.0, 'idle_timer', 1)")
+    c.commit()
     c.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_file_is_migrated_with_its_rows(db: Path, version: int) -> None:
+    old_file(db, version)
     with SqliteStore(db) as store:
         assert store._conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
-        assert [e.id for e in store.claim_webhooks("r1", 1001.0, 30.0)] == ids
-        assert store.claim_webhooks("r2", 1001.0, 30.0) == []  # r1's lease runs to 1031
-        assert [e.id for e in store.claim_webhooks("r2", 1031.0, 30.0)] == ids  # and then it is over
+        rows = {r.sandbox: r.state for r in store.sandboxes()}
+        # The one count is the unattributed source's: the rest of the state is as it was.
+        assert (rows["sbx-a"].open_by, rows["sbx-a"].open_connections) == ({UNATTRIBUTED: 2}, 2)
+        assert (rows["sbx-a"].bytes_in, rows["sbx-a"].last_activity, rows["sbx-a"].state) == (7, 150.0, State.ACTIVE)
+        assert (rows["sbx-b"].open_by, rows["sbx-b"].state) == ({}, State.IDLE)
+        with store.transaction() as tx:
+            assert tx.open_from(UNATTRIBUTED) == ["sbx-a"] and tx.open_from(FWD) == []
+            assert tx.stale_sources(1.0) == [FWD]  # applied_at 0: the service's start grace covers it
+        core = load_core(store)
+        assert core.holding(UNATTRIBUTED) == ["sbx-a"] and core.next_timer() is None  # held open; sbx-b idle
+        assert ingest_batch(core, store, FWD, batch(E1, 4, ("sbx-b", 1, 1)), 500.0)[0].apply
+        with store.transaction() as tx:
+            assert tx.stale_sources(400.0) == []
+        (due,) = store.claim_webhooks("r1", 1001.0, 30.0)  # version 1's events got the claim columns
+        assert due.event.sandbox == "sbx-b" and store.claim_webhooks("r2", 1001.0, 30.0) == []
+    with SqliteStore(db) as store:  # reopened: nothing is migrated twice
+        assert store._conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        assert {r.sandbox: r.state.open_by for r in store.sandboxes()} == {"sbx-a": {"": 2}, "sbx-b": {}}
+
+
+def test_a_row_whose_open_counts_do_not_parse_is_a_store_error(db: Path) -> None:
+    with_sandboxes(db, "sbx-a")[0].close()
+    for text in ('{"fwd#0":0}', '{"fwd#0":true}', '["fwd#0"]', "{not json", '{"fwd#0":1.5}'):
+        c = sqlite3.connect(db)
+        c.execute("UPDATE sandboxes SET open_by = ?", (text,))
+        c.commit()
+        c.close()
+        with SqliteStore(db) as store, pytest.raises(StoreError) as e:
+            store.sandboxes()
+        assert e.value.reason == "bad_row" and "open_by" in e.value.detail
+
+
+def test_open_counts_are_stored_as_sorted_json_and_found_by_source(db: Path) -> None:
+    store, core = with_sandboxes(db, "sbx-a", "sbx-b", "sbx-c")
+    with store.transaction() as tx:
+        core.on_report("sbx-b", 0, 0, 2, 150.0, 150.0, "spiffe://f/2#1")
+        core.on_report("sbx-b", 0, 0, 1, 150.0, 150.0, 'odd "name" % _ #0')
+        core.on_report("sbx-a", 0, 0, 3, 150.0, 150.0, "spiffe://f/2#1")
+        tx.save({s: core.snapshot(s) for s in ("sbx-a", "sbx-b")}, [])
+    texts = dict(store._conn.execute("SELECT sandbox, open_by FROM sandboxes").fetchall())
+    assert texts == {"sbx-a": '{"spiffe://f/2#1":3}', "sbx-b": '{"odd \\"name\\" % _ #0":1,"spiffe://f/2#1":2}',
+                     "sbx-c": "{}"}
+    with store.transaction() as tx:
+        assert tx.open_from("spiffe://f/2#1") == ["sbx-a", "sbx-b"]
+        assert tx.open_from('odd "name" % _ #0') == ["sbx-b"]
+        assert tx.open_from("spiffe://f/2#") == [] and tx.open_from("%") == []
+    plan = " ".join(str(r[-1]) for r in store._conn.execute("EXPLAIN QUERY PLAN " + _OPEN_FROM, ("x",)))
+    assert "sandboxes_open" in plan  # the partial index: the rows with a count, not the fleet
+    store.close()
 
 
 def test_bad_settings_and_unopenable_paths(tmp_path: Path) -> None:

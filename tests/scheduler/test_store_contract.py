@@ -283,6 +283,56 @@ def test_a_stale_claim_conflicts_and_writes_nothing(open_store: Opener) -> None:
         b.apply_batch(FWD, batch(E2, 3), decide(b.ledger(FWD), batch(E2, 3)), {}, [])
 
 
+# --- open counts per source and the ledger's last-applied time ------------------------------------------
+
+
+def test_open_counts_per_source_round_trip_and_are_found_by_source(open_store: Opener) -> None:
+    store, core = with_sandboxes(open_store, "sbx-a", "sbx-b", "sbx-c")
+    odd = 'spiffe://t/o\'dd "%_\\#1'  # quotes, LIKE's wildcards, a backslash: matched exactly
+    with store.transaction() as tx:
+        core.on_report("sbx-a", 0, 0, 2, 150.0, 150.0, f"{FWD}#0")
+        core.on_report("sbx-a", 0, 0, 1, 150.0, 150.0, f"{FWD}#1")
+        core.on_report("sbx-b", 0, 0, 4, 150.0, 150.0, odd)
+        core.on_report("sbx-c", 0, 0, 1, 150.0, 150.0, f"{FWD}#1")
+        core.on_report("sbx-c", 0, 0, 0, 150.0, 151.0, f"{FWD}#1")  # closed again: no count kept
+        tx.save({s: core.snapshot(s) for s in ("sbx-a", "sbx-b", "sbx-c")}, [])
+    rows = {r.sandbox: r.state for r in open_store().sandboxes()}
+    assert {s: (st.open_by, st.open_connections) for s, st in rows.items()} == {
+        "sbx-a": ({f"{FWD}#0": 2, f"{FWD}#1": 1}, 3), "sbx-b": ({odd: 4}, 4), "sbx-c": ({}, 0)}
+    assert rows == {s: core.snapshot(s) for s in rows}
+    with open_store().transaction() as tx:
+        assert tx.open_from(f"{FWD}#1") == ["sbx-a"] and tx.open_from(f"{FWD}#0") == ["sbx-a"]
+        assert tx.open_from(odd) == ["sbx-b"]
+        assert tx.open_from(FWD) == [] and tx.open_from("%") == [] and tx.open_from("") == []
+    again = load_core(open_store())
+    assert again.holding(f"{FWD}#1") == ["sbx-a"] and again.holding(odd) == ["sbx-b"]
+
+
+def test_the_ledger_says_which_sources_went_stale(open_store: Opener) -> None:
+    store, core = with_sandboxes(open_store, "sbx-a")
+    ingest_batch(core, store, FWD, batch(E1, 1, ("sbx-a", 1, 1)), 100.0)
+    ingest_batch(core, store, FWD2, batch(E1, 1, ("sbx-a", 1, 1)), 200.0)
+    reader = open_store()
+
+    def stale(before: float) -> list[str]:
+        with reader.transaction() as tx:
+            return tx.stale_sources(before)
+
+    assert stale(100.0) == [] and stale(150.0) == [FWD] and stale(250.0) == [FWD, FWD2]
+    ingest_batch(core, store, FWD, batch(E1, 1, ("sbx-a", 1, 1)), 300.0)  # a duplicate: not applied
+    assert stale(250.0) == [FWD, FWD2]
+    with store.transaction() as tx:
+        tx.mark_forgotten(FWD)
+        tx.mark_forgotten("nobody")
+    assert stale(250.0) == [FWD2]
+    ingest_batch(core, store, FWD, batch(E1, 2), 300.0)  # an empty batch is a sign of life too
+    assert stale(250.0) == [FWD2] and stale(350.0) == [FWD, FWD2]
+    with store.transaction() as tx:
+        tx.mark_forgotten(FWD)
+    ingest_batch(core, store, FWD, batch(E2, 1), 400.0)  # a restart: live again
+    assert stale(450.0) == [FWD, FWD2] and reader.ledger(FWD) == Stored(E2, 1)
+
+
 # --- transactions --------------------------------------------------------------------------------------
 
 

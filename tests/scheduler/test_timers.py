@@ -121,6 +121,90 @@ def test_open_silent_connection_keeps_it_active_only_under_connections() -> None
     assert len(core.on_timer(10_010.5)) == 1
 
 
+def test_open_counts_are_kept_per_source_and_summed() -> None:
+    """Two forwarder workers (two sources) each carry a connection to one sandbox: one closing leaves the
+    other's count, and it stays active until both have closed."""
+    core = core_with(period=10.0, activity=Activity.CONNECTIONS)
+    assert core.on_report("sbx-1", 5, 5, 1, 1.0, 1.0, "fwd#0") == []
+    assert core.on_report("sbx-1", 5, 5, 2, 1.5, 1.5, "fwd#1") == []
+    assert (core.snapshot("sbx-1").open_by, core.status_of("sbx-1", 2.0).open_connections) == (
+        {"fwd#0": 1, "fwd#1": 2}, 3)
+    assert core.on_report("sbx-1", 0, 0, 0, 1.0, 50.0, "fwd#0") == []  # fwd#0's one closed
+    assert core.snapshot("sbx-1").open_by == {"fwd#1": 2}
+    assert core.next_timer() is None and core.on_timer(1000.0) == []
+    assert core.on_report("sbx-1", 0, 0, 2, 1.5, 1000.0, "fwd#1") == []  # still two (a report about bytes)
+    assert core.next_timer() is None
+    assert core.on_report("sbx-1", 0, 0, 0, 1.5, 1001.0, "fwd#1") == []
+    st = core.snapshot("sbx-1")
+    assert (st.open_by, st.open_connections, st.last_activity) == ({}, 0, 1001.0)
+    assert core.next_timer() == 1011.0
+    assert moves(core.on_timer(1011.0)) == [("sbx-1", ACTIVE, IDLE, Why.IDLE_TIMER)]
+
+
+def test_forget_source_drops_its_counts_and_the_period_runs_from_then() -> None:
+    core = core_with("sbx-1", period=10.0, activity=Activity.CONNECTIONS)
+    core.register(SandboxConfig("sbx-2", "inc-1", 20.0, Activity.CONNECTIONS), 0.0)
+    core.register(SandboxConfig("sbx-3", "inc-1", 5.0), 0.0)  # bytes: counts do not keep it active
+    for sid in ("sbx-1", "sbx-2", "sbx-3"):
+        core.on_report(sid, 1, 1, 1, 2.0, 2.0, "fwd#0")
+    core.on_report("sbx-1", 0, 0, 1, 2.0, 3.0, "fwd#1")
+    assert core.holding("fwd#0") == ["sbx-1", "sbx-2", "sbx-3"] and core.holding("fwd#1") == ["sbx-1"]
+    assert core.next_timer() == 7.0  # sbx-3's byte at 2.0
+    assert moves(core.on_timer(7.0)) == [("sbx-3", ACTIVE, IDLE, Why.IDLE_TIMER)]
+    assert core.forget_source("fwd#0", 40.0) == []  # fwd#0 died with its connections open
+    assert core.holding("fwd#0") == [] and core.holding("fwd#1") == ["sbx-1"]
+    assert core.snapshot("sbx-1").open_by == {"fwd#1": 1}  # fwd#1's connection keeps sbx-1 active
+    assert core.snapshot("sbx-2").last_activity == 40.0 and core.next_timer() == 60.0
+    s3 = core.snapshot("sbx-3")  # idle, bytes policy: only its count changed, not its state or activity
+    assert (s3.state, s3.open_by, s3.last_activity) == (IDLE, {}, 2.0)
+    assert core.forget_source("fwd#0", 41.0) == [] and core.forget_source("nobody", 41.0) == []
+    assert core.forget_source("fwd#1", 45.0) == []
+    assert core.next_timer() == 55.0  # sbx-1: its period from the forgetting
+    assert [e.sandbox for e in core.on_timer(60.0)] == ["sbx-1", "sbx-2"]
+
+
+def test_forget_source_keeps_a_later_activity_and_wakes_nothing() -> None:
+    core = core_with(period=10.0, activity=Activity.CONNECTIONS)
+    core.on_report("sbx-1", 1, 1, 1, 30.0, 30.0, "fwd#0")
+    core.forget_source("fwd#0", 25.0)  # a clock behind the last activity: the later one stands
+    assert core.snapshot("sbx-1").last_activity == 30.0 and core.next_timer() == 40.0
+    go_idle(core)
+    core.register(SandboxConfig("sbx-1", "inc-1", 10.0, Activity.BYTES), 41.0)
+    core.on_report("sbx-1", 0, 0, 1, 41.0, 41.0, "fwd#0")  # under bytes: counted, no activity
+    core.register(SandboxConfig("sbx-1", "inc-1", 10.0, Activity.CONNECTIONS), 42.0)
+    assert core.forget_source("fwd#0", 50.0) == []
+    assert core.state_of("sbx-1") is IDLE and core.snapshot("sbx-1").last_activity == 30.0
+
+
+def test_a_stop_a_new_incarnation_and_a_removal_clear_the_index() -> None:
+    core = core_with("sbx-1", period=10.0, activity=Activity.CONNECTIONS)
+    core.register(SandboxConfig("sbx-2", "inc-1", 10.0, Activity.CONNECTIONS), 0.0)
+    core.register(SandboxConfig("sbx-3", "inc-1", 10.0, Activity.CONNECTIONS), 0.0)
+    for sid in ("sbx-1", "sbx-2", "sbx-3"):
+        core.on_report(sid, 0, 0, 2, 1.0, 1.0, "fwd#0")
+    core.driver_stopped("sbx-1", 2.0)
+    core.register(SandboxConfig("sbx-2", "inc-2", 10.0, Activity.CONNECTIONS), 2.0)
+    assert core.holding("fwd#0") == ["sbx-3"]
+    assert core.snapshot("sbx-1").open_by == {} and core.snapshot("sbx-2").open_by == {}
+    assert core.remove("sbx-3") and core.holding("fwd#0") == []
+    assert core.forget_source("fwd#0", 3.0) == []
+
+
+def test_restore_rebuilds_the_index_and_a_restored_row_replaces_it() -> None:
+    core = core_with(period=10.0, activity=Activity.CONNECTIONS)
+    core.on_report("sbx-1", 0, 0, 1, 1.0, 1.0, "fwd#0")
+    core.on_report("sbx-1", 0, 0, 3, 1.0, 1.0, "fwd#1")
+    again = TimerCore()
+    again.restore(core.config("sbx-1"), core.snapshot("sbx-1"))
+    assert (again.holding("fwd#0"), again.holding("fwd#1")) == (["sbx-1"], ["sbx-1"])
+    other = core.snapshot("sbx-1")  # another replica's write: fwd#0 forgotten there
+    del other.open_by["fwd#0"]
+    other.open_connections = 3
+    again.restore(core.config("sbx-1"), other)
+    assert (again.holding("fwd#0"), again.holding("fwd#1")) == ([], ["sbx-1"])
+    assert again.status_of("sbx-1", 2.0).open_connections == 3
+
+
 def test_connections_policy_open_report_wakes_an_idle_sandbox() -> None:
     core = core_with(period=10.0, activity=Activity.CONNECTIONS)
     go_idle(core)
@@ -494,12 +578,16 @@ class Model:
     state: State = ACTIVE
     last: float | None = None
     hold: float | None = None
-    open: int = 0
+    open_by: dict[str, int] = dataclasses.field(default_factory=dict)  # source -> count, no zeros
     bytes_in: int = 0
     bytes_out: int = 0
     stopped_at: float | None = None
     wake_from: State | None = None
     fenced: bool = False
+
+    @property
+    def open(self) -> int:
+        return sum(self.open_by.values())
 
     def deadline(self) -> float | None:
         if self.state is not ACTIVE or (self.policy is Activity.CONNECTIONS and self.open > 0):
@@ -512,6 +600,7 @@ class Model:
 
 
 SIDS = ("a", "b", "c")
+SOURCES = ("", "fwd#0", "fwd#1")  # "": a caller that names no source
 TICKS = st.integers(0, 80).map(lambda q: q / 4)  # a quarter-second grid: exact deadlines get hit
 
 
@@ -537,7 +626,7 @@ class TimerMachine(RuleBasedStateMachine):
         if to is IDLE:
             m.fenced = False
         if to is STOPPED:
-            m.stopped_at, m.open, m.fenced = self.now, 0, False
+            m.stopped_at, m.open_by, m.fenced = self.now, {}, False
         m.state = to
         return (sid, frm, to, why)
 
@@ -581,12 +670,13 @@ class TimerMachine(RuleBasedStateMachine):
         b_out=st.integers(0, 3),
         open_=st.integers(0, 2),
         age=TICKS,
+        source=st.sampled_from(SOURCES),
     )
-    def report(self, sid: str, b_in: int, b_out: int, open_: int, age: float) -> None:
+    def report(self, sid: str, b_in: int, b_out: int, open_: int, age: float, source: str) -> None:
         last = self.now - age
         unknown = self.core.counters["report_unknown_sandbox"]
         stale = self.core.counters["report_stale_incarnation"]
-        events = self.core.on_report(sid, b_in, b_out, open_, last, self.now)
+        events = self.core.on_report(sid, b_in, b_out, open_, last, self.now, source)
         m = self.models.get(sid)
         if m is None:
             assert self.core.counters["report_unknown_sandbox"] == unknown + 1
@@ -598,7 +688,9 @@ class TimerMachine(RuleBasedStateMachine):
         m.bytes_out += b_out
         expected = []
         if m.stopped_at is None or last > m.stopped_at:
-            was, m.open = m.open, open_
+            was = m.open_by.pop(source, 0)
+            if open_:
+                m.open_by[source] = open_
             times = [last] if b_in + b_out > 0 else []
             if m.policy is Activity.CONNECTIONS and (open_ > 0 or was > 0):
                 times.append(self.now)
@@ -607,6 +699,20 @@ class TimerMachine(RuleBasedStateMachine):
                 if m.state is not ACTIVE:
                     expected.append(self.go(sid, ACTIVE, Why.TRAFFIC))
         self.check(events, expected)
+
+    @precondition(lambda self: self.models)
+    @rule(
+        data=st.data(),
+        b=st.integers(0, 3),
+        open_=st.integers(0, 3),
+        age=st.sampled_from((0.0, 0.25, 1.0)),
+        source=st.sampled_from(SOURCES),
+    )
+    def report_from_this_run(self, data: st.DataObject, b: int, open_: int, age: float, source: str) -> None:
+        """A report about a registered sandbox's current incarnation (the plain ``report`` mostly names
+        unknown sandboxes or earlier incarnations): where open counts are made."""
+        sid = data.draw(st.sampled_from(sorted(self.models)))
+        self.report(sid, b, b, open_, min(age, self.now - self.models[sid].start), source)
 
     @precondition(lambda self: any(m.stopped_at is not None for m in self.models.values()))
     @rule(data=st.data(), b=st.integers(0, 3), open_=st.integers(0, 2), where=st.sampled_from((0.0, 0.5, 1.0)))
@@ -617,7 +723,7 @@ class TimerMachine(RuleBasedStateMachine):
         assert m.stopped_at is not None
         last = m.start + (m.stopped_at - m.start) * where
         self.now += 0.25
-        self.check(self.core.on_report(sid, b, b, open_, last, self.now), [])
+        self.check(self.core.on_report(sid, b, b, open_, last, self.now, "fwd#0"), [])
         m.bytes_in += b
         m.bytes_out += b
 
@@ -666,9 +772,9 @@ class TimerMachine(RuleBasedStateMachine):
         restart = m.fenced and m.state is ACTIVE
         expected = []
         if m.state is WAKING:
-            m.stopped_at, m.open, m.wake_from = self.now, 0, STOPPED
+            m.stopped_at, m.open_by, m.wake_from = self.now, {}, STOPPED
         elif m.state is STOPPED:
-            m.stopped_at, m.open = self.now, 0
+            m.stopped_at, m.open_by = self.now, {}
         else:
             expected.append(self.go(sid, STOPPED, Why.DRIVER))
             if restart:
@@ -694,6 +800,51 @@ class TimerMachine(RuleBasedStateMachine):
             assert m.wake_from in (IDLE, STOPPED)
             expected.append(self.go(sid, m.wake_from, Why.DRIVER))
         self.check(self.core.driver_failed(sid, self.now), expected)
+
+    @rule(data=st.data())
+    def forget_source(self, data: st.DataObject) -> None:
+        """A source restarted or went silent: its counts go; an active sandbox under ``connections`` left
+        with none runs its idle period from now. No state changes. (Mostly a source that holds counts:
+        the one that holds none is the dull case; and mostly some time after the last report, as a
+        silent source is forgotten.)"""
+        held = sorted({s for m in self.models.values() for s in m.open_by})
+        pick_held = bool(held) and data.draw(st.booleans())
+        source = data.draw(st.sampled_from(held if pick_held else list(SOURCES)))
+        self.now += data.draw(st.sampled_from((0.25, 1.0, 0.0)))
+        self.check(self.core.forget_source(source, self.now), [])
+        for m in self.models.values():
+            if m.open_by.pop(source, 0) and m.open == 0 and m.policy is Activity.CONNECTIONS and m.state is ACTIVE:
+                m.last = self.now if m.last is None else max(m.last, self.now)
+
+    @precondition(lambda self: any(m.open_by for m in self.models.values()))
+    @rule(data=st.data())
+    def another_replica_changed_the_counts(self, data: st.DataObject) -> None:
+        """A row another replica wrote, restored over this core's sandbox (``sync_core``): one source's
+        count dropped there and another's set."""
+        sid = data.draw(st.sampled_from(sorted(s for s, m in self.models.items() if m.open_by)))
+        m = self.models[sid]
+        gone = data.draw(st.sampled_from(sorted(m.open_by)))
+        came = data.draw(st.sampled_from(SOURCES))
+        snap = self.core.snapshot(sid)
+        for by in (snap.open_by, m.open_by):
+            del by[gone]
+            by[came] = by.get(came, 0) + 1
+        snap.open_connections = sum(snap.open_by.values())
+        self.core.restore(self.core.config(sid), snap)
+
+    @rule(data=st.data())
+    def restore(self, data: st.DataObject) -> None:
+        """What a store read does: every sandbox restored from its snapshot, into this core (over the
+        sandbox it holds) or into a new one (a restart); the timers, status and index must not change."""
+        if data.draw(st.booleans()):
+            for sid in sorted(self.models):
+                self.core.restore(self.core.config(sid), self.core.snapshot(sid))
+        else:
+            fresh = TimerCore()
+            for sid in sorted(self.models):
+                fresh.restore(self.core.config(sid), self.core.snapshot(sid))
+            fresh.counters = self.core.counters
+            self.core = fresh
 
     @rule()
     def on_timer(self) -> None:
@@ -729,6 +880,13 @@ class TimerMachine(RuleBasedStateMachine):
             )
             assert (r.last_activity, r.hold_until) == (m.last, hold)
             assert r.idle_in_s == (None if d is None else max(0.0, d - self.now))
+            snap = self.core.snapshot(sid)
+            assert (snap.open_by, snap.open_connections) == (m.open_by, m.open)
+
+    @invariant()
+    def the_source_index_names_exactly_the_sandboxes_holding_a_count(self) -> None:
+        for source in SOURCES:
+            assert self.core.holding(source) == sorted(s for s, m in self.models.items() if source in m.open_by)
 
 
 TimerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
@@ -751,7 +909,8 @@ def test_snapshot_and_restore_copy_every_field() -> None:
     shares the object: a field added later and left out of the copy fails here."""
     values = {
         "active_since": 1.5, "state": WAKING, "last_activity": 2.5, "bytes_in": 3, "bytes_out": 4,
-        "open_connections": 5, "hold_until": 6.5, "stopped_at": 7.5, "wake_from": STOPPED, "fenced": True,
+        "open_connections": 5, "open_by": {"fwd#0": 2, "fwd#1": 3}, "hold_until": 6.5, "stopped_at": 7.5,
+        "wake_from": STOPPED, "fenced": True,
     }
     assert set(values) == {f.name for f in dataclasses.fields(SandboxState)}
     state = SandboxState(**values)  # type: ignore[arg-type]
@@ -762,4 +921,6 @@ def test_snapshot_and_restore_copy_every_field() -> None:
     assert snap == state and snap is not state
     assert core.snapshot("sbx-1") is not snap
     state.bytes_in = 99  # the core kept a copy of its own
-    assert core.snapshot("sbx-1").bytes_in == 3
+    state.open_by["fwd#0"] = 99
+    snap.open_by["fwd#1"] = 99
+    assert core.snapshot("sbx-1") == SandboxState(**{**values, "open_by": {"fwd#0": 2, "fwd#1": 3}})  # type: ignore[arg-type]
