@@ -425,9 +425,20 @@ def ingest_batch(
 ) -> tuple[Decision, list[Event]]:
     """Judge ``batch`` from ``identity`` against the ledger record read (and locked) in one transaction; if
     it is to be applied, lock the batch's sandboxes, bring ``core`` up to what the store holds for them
-    (``sync_core``), apply each entry to the core (last activity = ``now - idle_s``) and write the ledger
-    claim, the touched sandboxes and the events in the same transaction. Returns the decision (its
-    ``answer`` is what to send) and the events (to publish once this returns).
+    (``sync_core``), apply each entry to the core (last activity = ``now - idle_s``, open counts as
+    ``identity``'s) and write the ledger claim, the time it was applied, the touched sandboxes and the
+    events in the same transaction. Returns the decision (its ``answer`` is what to send) and the events
+    (to publish once this returns).
+
+    An epoch's first batch (a forwarder worker that restarted, or one the ledger has no record of) knows
+    nothing of the connections its previous epoch reported: ``identity``'s counts are forgotten first
+    (``TimerCore.forget_source``) from every sandbox that holds one, and those rows are locked, brought
+    up to date and written with the rest. Which rows: those the store says hold one (``Tx.open_from``)
+    and those this core's index names. The store's answer is complete across replicas: counts from
+    ``identity`` are added only by its own batches, which all lock its ledger record first, as this one
+    did before asking, so every batch of it that committed is visible and none can commit meanwhile
+    (other writers only remove counts, and a row whose count went meanwhile is re-read under its lock).
+    The core's index adds the rows it would otherwise change without a lock (it may lag the store).
 
     Raises ``CoreAhead`` if the write failed after the core was changed (including ``LedgerConflict``):
     nothing was stored, the core must be rebuilt, and the forwarder gets no answer (it resends the same
@@ -440,14 +451,16 @@ def ingest_batch(
             if not decision.apply:
                 return decision, []
             sids = [r.sandbox for r in batch.sandboxes]
+            restart = decision.store is not None and decision.store.last_seq == 1
+            if restart:
+                held = set(core.holding(identity)).union(tx.open_from(identity))
+                sids += sorted(held.difference(sids))
             sync_core(core, sids, tx.lock(sids))
             ahead = True
-            events: list[Event] = []
-            touched: dict[str, SandboxState] = {}
+            events: list[Event] = core.forget_source(identity, now) if restart else []
             for r in batch.sandboxes:
-                events += core.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, now - r.idle_s, now)
-                if r.sandbox in core:
-                    touched[r.sandbox] = core.snapshot(r.sandbox)
+                events += core.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, now - r.idle_s, now, identity)
+            touched = {sid: core.snapshot(sid) for sid in sids if sid in core}
             tx.claim(identity, batch, decision)
             tx.note_applied(identity, now)
             tx.save(touched, events)

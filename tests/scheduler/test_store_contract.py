@@ -333,6 +333,65 @@ def test_the_ledger_says_which_sources_went_stale(open_store: Opener) -> None:
     assert stale(450.0) == [FWD, FWD2] and reader.ledger(FWD) == Stored(E2, 1)
 
 
+def opens(epoch: str, seq: int, *entries: tuple[str, int]) -> Batch:
+    """A batch of open counts, no bytes: (sandbox, connections open at that stream)."""
+    return Batch(epoch, seq, tuple(SandboxReport(s, 0, 0, n, 0.0) for s, n in entries))
+
+
+def connections_sandboxes(open_store: Opener, *sids: str, period: float = 10.0) -> tuple[Store, TimerCore]:
+    store = open_store()
+    core = load_core(store)
+    for sid in sids:
+        register(core, store, sid, reg(period=period, activity="connections"), 100.0)
+    return store, core
+
+
+S0, S1 = f"{FWD}#0", f"{FWD}#1"  # two workers' streams of one forwarder
+
+
+def test_two_streams_with_a_connection_open_each_keep_a_sandbox_active_until_both_close(
+    open_store: Opener,
+) -> None:
+    store, core = connections_sandboxes(open_store, "sbx-a")
+    assert ingest_batch(core, store, S0, opens(E1, 1, ("sbx-a", 1)), 101.0)[0].apply
+    assert ingest_batch(core, store, S1, opens(E1, 1, ("sbx-a", 1)), 101.5)[0].apply
+    (row,) = open_store().sandboxes()
+    assert (row.state.open_by, row.state.open_connections) == ({S0: 1, S1: 1}, 2)
+    assert ingest_batch(core, store, S0, opens(E1, 2, ("sbx-a", 0)), 102.0)[0].apply  # S0's one closes
+    assert fire_timers(core, store, 500.0) == []  # S1's keeps it active
+    reader = load_core(open_store())
+    assert reader.status_of("sbx-a", 500.0).open_connections == 1 and reader.next_timer() is None
+    assert ingest_batch(core, store, S1, opens(E1, 2, ("sbx-a", 0)), 600.0)[0].apply  # and S1's
+    assert fire_timers(core, store, 609.0) == []
+    (ev,) = fire_timers(core, store, 610.0)  # one period after the last close
+    assert (ev.sandbox, ev.to_state) == ("sbx-a", State.IDLE)
+    (row,) = open_store().sandboxes()
+    assert (row.state.state, row.state.open_by, row.state.last_activity) == (State.IDLE, {}, 600.0)
+
+
+def test_a_restarted_stream_drops_the_counts_of_its_previous_epoch(open_store: Opener) -> None:
+    """Stream 0 restarts (a new epoch) without the old connections; its first batch goes to another
+    replica whose core was loaded before the counts were made, so only the store knows who holds them."""
+    store, core = connections_sandboxes(open_store, "sbx-a", "sbx-b", "sbx-c")
+    other = open_store()
+    core_other = load_core(other)  # stale from here on: it has seen none of the counts
+    ingest_batch(core, store, S0, opens(E1, 1, ("sbx-a", 2), ("sbx-b", 1)), 101.0)
+    ingest_batch(core, store, S1, opens(E1, 1, ("sbx-a", 1)), 101.0)
+    d, events = ingest_batch(core_other, other, S0, opens(E2, 1, ("sbx-c", 1)), 150.0)
+    assert (d.verdict, d.reason, events) == (Verdict.APPLY, "restart", [])
+    rows = {r.sandbox: r.state for r in open_store().sandboxes()}
+    assert {s: st.open_by for s, st in rows.items()} == {"sbx-a": {S1: 1}, "sbx-b": {}, "sbx-c": {S0: 1}}
+    assert rows["sbx-b"].last_activity == 150.0  # its period runs from the restart
+    assert [e.sandbox for e in fire_timers(core_other, other, 160.0)] == ["sbx-b"]
+    assert fire_timers(core_other, other, 10_000.0) == []  # sbx-a (S1) and sbx-c (S0's new one) held
+    assert load_core(open_store()).holding(S0) == ["sbx-c"]
+    # S1 restarts through the first replica, whose core is stale since the other's writes (its index
+    # still names S0's old counts): what it changes is what the store holds.
+    d, _ = ingest_batch(core, store, S1, opens(E2, 1), 10_001.0)
+    assert d.reason == "restart" and {r.sandbox: r.state.open_by for r in store.sandboxes()} == {
+        "sbx-a": {}, "sbx-b": {}, "sbx-c": {S0: 1}}
+
+
 # --- transactions --------------------------------------------------------------------------------------
 
 
