@@ -275,10 +275,14 @@ static int send_close_notify(int fd)
     }
 }
 
-enum { CTL_EOF = 0, CTL_WAIT, CTL_FAIL };
+enum { CTL_DATA = 0, CTL_CLOSE_NOTIFY, CTL_FIN, CTL_WAIT, CTL_FAIL };
 
-/* splice(2) refused a record (EINVAL): it is not application data. Reads exactly that record. */
-static int read_control(sp_pump *p, struct conn *c, int *reason, int *err)
+/* Reads the gateway's next record(s) with recvmsg where splice(2) cannot say what it met: EINVAL (a
+ * record that is not data) or 0 (the end of the stream, or a record with no data: TLS 1.3 allows
+ * empty and padding-only records, and splice returns 0 for those too). recvmsg tells them apart: 0
+ * with no record type is the end of the stream. Data it returns (it may take the records after an
+ * empty one) goes into the direction's pipe, which is empty at every read and holds a whole buffer. */
+static int read_record(sp_pump *p, struct conn *c, struct dir *d, int *reason, int *err)
 {
     unsigned char buf[CONTROL_BUF];
     union {
@@ -303,25 +307,45 @@ static int read_control(sp_pump *p, struct conn *c, int *reason, int *err)
         *reason = errno == EBADMSG ? SP_R_TLS_DECRYPT : SP_R_TLS_RECORD;
         return CTL_FAIL;
     }
-    __atomic_add_fetch(&p->control_records, 1, __ATOMIC_RELAXED);
     int type = -1;
     for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm))
         if (cm->cmsg_level == SOL_TLS && cm->cmsg_type == TLS_GET_RECORD_TYPE &&
             cm->cmsg_len >= CMSG_LEN(sizeof(unsigned char)))
             type = *CMSG_DATA(cm);
-    if (n == 0 && type < 0)
-        return CTL_EOF; /* the connection ended between splice and recvmsg */
     *err = 0;
+    if (type < 0) {
+        if (n == 0)
+            return CTL_FIN; /* the TCP stream ended, and no close_notify came before it */
+        *reason = SP_R_TLS_RECORD; /* bytes without a record type: not what kernel TLS returns */
+        return CTL_FAIL;
+    }
+    if (type == TLS_CT_APPLICATION_DATA) {
+        /* n == 0: empty records, consumed; what follows them is for the next read to find. */
+        if (n > 0) {
+            ssize_t w;
+            do {
+                w = write(d->pw, buf, (size_t)n);
+            } while (w < 0 && errno == EINTR);
+            if (w != n) {
+                *err = w < 0 ? errno : EIO;
+                *reason = SP_R_INTERNAL;
+                return CTL_FAIL;
+            }
+            d->pipe_bytes += (uint32_t)n;
+        }
+        return CTL_DATA;
+    }
+    __atomic_add_fetch(&p->control_records, 1, __ATOMIC_RELAXED);
     if (type == TLS_CT_ALERT && n >= 2 && buf[1] == TLS_ALERT_CLOSE_NOTIFY) {
         c->evflags |= SP_EV_GW_CLOSE_NOTIFY;
-        return CTL_EOF;
+        return CTL_CLOSE_NOTIFY;
     }
     if (type == TLS_CT_ALERT)
         *reason = SP_R_TLS_ALERT;
     else if (type == TLS_CT_HANDSHAKE && n >= 1 && buf[0] == TLS_HS_KEY_UPDATE)
         *reason = SP_R_TLS_KEY_UPDATE;
     else
-        *reason = SP_R_TLS_UNEXPECTED; /* includes application data recvmsg took instead of splice */
+        *reason = SP_R_TLS_UNEXPECTED;
     return CTL_FAIL;
 }
 
@@ -339,6 +363,18 @@ static void fail_side(struct conn *c, int fd, int err, struct fail *f)
     f->err = err;
     f->rst_gw = !gw_side;
     f->rst_sb = gw_side;
+}
+
+/* A kernel-TLS gateway's TCP stream ended with no close_notify before it: a cut or a truncation, not
+ * an orderly end, so it is failed like a reset (both sides reset, the sandbox never sees a clean end
+ * of stream). Everything decrypted before it has been delivered: reads only ever meet an empty pipe. */
+static void fail_bare_fin(struct conn *c, struct fail *f)
+{
+    c->evflags |= SP_EV_GW_FIN;
+    f->outcome = SP_OUT_RESET_GATEWAY;
+    f->reason = SP_R_RESET;
+    f->err = 0;
+    f->rst_gw = f->rst_sb = 1;
 }
 
 static int dir_run(sp_pump *p, struct conn *c, struct dir *d, struct fail *f)
@@ -382,28 +418,33 @@ static int dir_run(sp_pump *p, struct conn *c, struct dir *d, struct fail *f)
             d->pipe_bytes += (uint32_t)n;
             continue;
         }
-        if (n == 0) {
+        if (n == 0 && !d->in_ktls) {
+            /* Plain TCP has no close_notify: its FIN is the orderly end of that direction. */
             d->in_eof = 1;
             c->evflags |= d->in_fd == c->gw ? SP_EV_GW_FIN : SP_EV_SB_EOF;
             continue;
         }
-        int e = errno;
+        int e = n == 0 ? 0 : errno;
         if (e == EINTR)
             continue;
         if (e == EAGAIN)
             return DIR_WAIT;
-        if (d->in_ktls && e == EINVAL) {
+        if (d->in_ktls && (e == 0 || e == EINVAL)) {
             int reason = 0, err = 0;
-            int r = read_control(p, c, &reason, &err);
+            int r = read_record(p, c, d, &reason, &err);
             if (r == CTL_WAIT)
                 return DIR_WAIT;
-            if (r == CTL_EOF) {
-                d->in_eof = 1;
-                if (!(c->evflags & SP_EV_GW_CLOSE_NOTIFY))
-                    c->evflags |= SP_EV_GW_FIN;
+            if (r == CTL_DATA)
+                continue;
+            if (r == CTL_CLOSE_NOTIFY) {
+                d->in_eof = 1; /* the gateway's orderly end: FIN to the sandbox, nothing more read */
                 continue;
             }
-            f->outcome = SP_OUT_TLS_ERROR;
+            if (r == CTL_FIN) {
+                fail_bare_fin(c, f);
+                return DIR_FAIL;
+            }
+            f->outcome = reason == SP_R_INTERNAL ? SP_OUT_INTERNAL : SP_OUT_TLS_ERROR;
             f->reason = reason;
             f->err = err;
             /* A KeyUpdate is a legitimate message we do not support: close in order. Anything

@@ -17,7 +17,8 @@
 
 /* Outcomes (sp_event.outcome); forwarder/ingress/planes/splice_pump.py names them. */
 #define SP_OUT_CLOSED 0        /* both directions ended with an orderly end of stream */
-#define SP_OUT_RESET_GATEWAY 1 /* the gateway side reset or failed; the sandbox was reset */
+#define SP_OUT_RESET_GATEWAY 1 /* the gateway side reset, failed or (kTLS) ended without close_notify;
+                                * the sandbox was reset */
 #define SP_OUT_RESET_SANDBOX 2 /* the sandbox side reset or failed; the gateway was reset */
 #define SP_OUT_CLOSE_TIMEOUT 3 /* one direction ended, the other did not within the close timeout */
 #define SP_OUT_TLS_ERROR 4     /* a record failed to decrypt, or a TLS record we refuse */
@@ -27,7 +28,8 @@
 /* Reasons (sp_event.reason): finer than the outcome, stable tokens in Python. */
 #define SP_R_NONE 0
 #define SP_R_EOF 1              /* both directions ended */
-#define SP_R_RESET 2            /* ECONNRESET / EPIPE / socket error on that side */
+#define SP_R_RESET 2            /* ECONNRESET / EPIPE / socket error on that side; or (err 0, flag
+                                 * SP_EV_GW_FIN) a kTLS gateway's FIN with no close_notify before it */
 #define SP_R_TIMEOUT 3
 #define SP_R_TLS_DECRYPT 4      /* EBADMSG: a record failed authentication */
 #define SP_R_TLS_KEY_UPDATE 5   /* a KeyUpdate handshake message from the gateway */
@@ -49,7 +51,8 @@ struct sp_event {
 };
 
 #define SP_EV_GW_CLOSE_NOTIFY 0x1u /* the gateway ended its direction with close_notify */
-#define SP_EV_GW_FIN 0x2u          /* the gateway ended its direction with a bare FIN */
+#define SP_EV_GW_FIN 0x2u          /* the gateway's TCP stream ended with no close_notify: on plain TCP
+                                    * its orderly end; on kTLS a truncation, reset (SP_OUT_RESET_GATEWAY) */
 #define SP_EV_SB_EOF 0x4u          /* the sandbox ended its direction */
 #define SP_EV_SENT_CLOSE_NOTIFY 0x8u
 

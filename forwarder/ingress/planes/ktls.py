@@ -3,7 +3,9 @@
 Per connection: deliver the tenant bytes that shared a record with the end of the preamble, install
 the session's TLS 1.3 keys on the gateway socket (TLS_TX and TLS_RX, continuing the exact record
 sequence numbers), then give both descriptors to the pump. The ``SSLObject`` is never used again:
-its fd is detached and the pump owns the socket. The pump reports the end of the connection with
+its fd is detached and the pump owns the socket. The pump ends the gateway's direction at its
+close_notify (FIN to the sandbox, the other direction goes on) and resets both sides at a TCP FIN
+without one (``reset_gateway``), as the userspace plane does. It reports the end of the connection with
 exact byte counts; live meters are refreshed from its counters twice a second (per connection, not
 per chunk) for the idle-timer feed and the metrics.
 
@@ -27,7 +29,7 @@ from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes import ktls_keys as ktls
 from forwarder.ingress.planes.interface import Handoff, Outcome, abort
-from forwarder.ingress.planes.splice_pump import PumpEvent, PumpOutcome, SplicePump
+from forwarder.ingress.planes.splice_pump import EV_GW_FIN, PumpEvent, PumpOutcome, SplicePump
 from sbxnet.errors import EnvironmentFault
 
 log = logging.getLogger("sbxnet.forwarder")
@@ -205,7 +207,10 @@ class KtlsPlane:
         if self._metrics:
             self._metrics.plane_ends.labels(self.name, ev.reason).inc()
         if ev.outcome is not PumpOutcome.CLOSED:
-            err = os.strerror(ev.err) if ev.err else "-"
+            if ev.outcome is PumpOutcome.RESET_GATEWAY and ev.flags & EV_GW_FIN:
+                err = "TCP FIN without close_notify"
+            else:
+                err = os.strerror(ev.err) if ev.err else "-"
             log.warning(f"pump ended the connection: {ev.outcome.name.lower()} {ev.reason} ({err})",
                         extra={"event": "ktls_close", "reason": ev.reason})
         return _OUTCOMES[ev.outcome]

@@ -57,7 +57,7 @@ REASONS = (
 
 # sp_event.flags: how each side ended (SP_EV_*).
 EV_GW_CLOSE_NOTIFY = 0x1
-EV_GW_FIN = 0x2
+EV_GW_FIN = 0x2  # the gateway's TCP stream ended with no close_notify (kTLS: a truncation, reset)
 EV_SB_EOF = 0x4
 EV_SENT_CLOSE_NOTIFY = 0x8
 
@@ -122,9 +122,11 @@ class SplicePump:
 
         On success the pump owns both descriptors (the caller must forget them: detach, never close).
         ``ktls``: the gateway fd has kernel TLS TX and RX installed; the pump then reads its non-data
-        records itself and ends its direction with close_notify. ``close_timeout`` (seconds) bounds the
-        wait for the remaining direction once one direction has ended. Raises OSError and leaves the
-        descriptors with the caller if the pump cannot take them.
+        records itself, ends its direction with close_notify, and takes only the gateway's close_notify
+        as the end of the gateway's direction: a TCP FIN without one resets both sides (outcome
+        RESET_GATEWAY, reason ``reset``, err 0, flag EV_GW_FIN). Without ``ktls`` a FIN is the end.
+        ``close_timeout`` (seconds) bounds the wait for the remaining direction once one direction has
+        ended. Raises OSError and leaves the descriptors with the caller if the pump cannot take them.
         """
         ms = max(1, min(int(close_timeout * 1000), 0xFFFFFFFF))
         r = self._lib.sp_add(self._live(), gateway_fd, sandbox_fd, GW_KTLS if ktls else 0, ms)

@@ -4,6 +4,8 @@ It is the benchmark's middle stage and the path for kernels without TLS, chosen 
 direction is one task. Sockets are tried before they are waited on (a loop round trip per read costs
 more than the read), reads land in one buffer per loop thread and are copied onward before any await,
 and a send that the peer cannot take yet is waited on before the next read: that is the back-pressure.
+From the gateway, close_notify ends that direction (FIN to the sandbox, the other direction goes on);
+a TCP FIN without close_notify before it resets both sides, as a reset does.
 """
 
 from __future__ import annotations
@@ -145,7 +147,9 @@ class UserspacePlane:
             except OSError as e:
                 raise _Reset("gateway") from e
             if not got:
-                break  # TCP FIN without close_notify: end of stream all the same
+                # TCP FIN with no close_notify before it (that ends the loop below): a cut, or an
+                # attacker's truncation, not an orderly end. Both sides are reset, as for a reset.
+                raise _Reset("gateway")
             h.link.incoming.write(rbuf[:got])  # copied out of the shared buffer before any await
             drained.clear()
             eof = False

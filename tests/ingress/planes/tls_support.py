@@ -76,8 +76,8 @@ class CryptoInfo:
         base = int.from_bytes(self.salt + self.iv, "big")
         return (base ^ seq).to_bytes(12, "big")
 
-    def seal(self, seq: int, plaintext: bytes, content_type: int = 23) -> bytes:
-        inner = plaintext + bytes([content_type])
+    def seal(self, seq: int, plaintext: bytes, content_type: int = 23, *, padding: int = 0) -> bytes:
+        inner = plaintext + bytes([content_type]) + bytes(padding)  # RFC 8446 5.4: zeros after the type
         header = b"\x17\x03\x03" + struct.pack(">H", len(inner) + 16)
         return header + AESGCM(self.key).encrypt(self.nonce(seq), inner, header)
 
