@@ -12,6 +12,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -244,8 +245,16 @@ class JsonLines(logging.Handler):
 
 
 @contextmanager
-def gateway_log() -> Iterator[JsonLines]:
-    """The ``sbxnet.gateway`` logger's INFO lines and up, while in the block."""
+def gateway_log(*quiet: GatewayThread, timeout: float = 15.0) -> Iterator[JsonLines]:
+    """The ``sbxnet.gateway`` logger's INFO lines and up, while in the block. The logger is every gateway's
+    in this process, and a request's line is written as it ends, which may be just after its client read
+    the answer: so capturing starts once each of ``quiet`` serves no connection (an earlier test's last
+    line is written by then)."""
+    deadline = time.monotonic() + timeout
+    for gw in quiet:
+        while gw.server.open_connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not gw.server.open_connections, "the gateway still serves an earlier test's connection"
     handler = JsonLines()
     logger = logging.getLogger("sbxnet.gateway")
     old_level = logger.level
