@@ -43,6 +43,11 @@ class HeldApp(http.server.ThreadingHTTPServer):
         self.port = int(self.server_address[1])
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # The gateway aborts a link when its client's connection ends, and the forwarder passes that on as
+        # a reset: the keep-alive read after the answer fails. Not this program's error to print.
+        pass
+
     def stop(self) -> None:
         self.release.set()
         self.shutdown()
