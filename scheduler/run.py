@@ -83,7 +83,8 @@ async def _main(settings: SchedulerSettings, store: Store) -> int:
     from scheduler.webhook import WebhookSender
 
     service = SchedulerService(store, forwarder_allow=settings.forwarder_san_allow,
-                               auto_ready=settings.webhook_url is None, resync_s=settings.resync_s)
+                               auto_ready=settings.webhook_url is None, resync_s=settings.resync_s,
+                               source_stale_s=settings.source_stale_s)
     api = Api(service, admin_token_sha256=settings.admin_hash(), gateway_allow=settings.gateway_san_allow,
               route_cache_s=settings.route_cache_s, negative_cache_s=settings.negative_cache_s)
     webhook = None

@@ -13,6 +13,16 @@ After a commit the events are published: waiters on a sandbox's wake are woken, 
 the event stream and the webhook sender are told there is something new (both read the store's event log,
 so an event another replica committed reaches them too, on their next poll).
 
+Stale feed sources: the timer loop also forgets the open counts of a feed stream (a ledger identity)
+whose last batch was applied more than ``source_stale_s`` ago (``forget_stale``): a forwarder worker that
+died with connections open, and never came back under a new epoch, must not keep its sandboxes active
+forever. The time of each stream's last batch is in the ledger (``Tx.note_applied``), not in this
+replica's memory: on a shared store a stream's batches may all go to another replica, and only the store
+knows it is alive. After this process starts, nothing is forgotten for ``source_stale_s`` (a scheduler
+that was down has old times for live streams too; their next batches refresh them), and the counts a
+store kept before they had a source (``store.UNATTRIBUTED``, from a migrated row) are forgotten then,
+once. This relies on a live stream sending a batch more often than ``source_stale_s``.
+
 What the service does not decide: the states and timers (``timers.TimerCore``), the feed's exactly-once
 rule (``feed_ledger``), the shapes on the wire (``sbxnet.protocol``).
 """
@@ -29,7 +39,7 @@ from dataclasses import dataclass
 from sbxnet.errors import EnvironmentFault, LocalProtocolError
 from sbxnet.protocol.routes import Registration, Route
 from scheduler.feed_http import FeedService
-from scheduler.store import Store, StoreError, Tx, load_core
+from scheduler.store import UNATTRIBUTED, Store, StoreError, Tx, load_core
 from scheduler.timers import (
     Activity,
     Event,
@@ -43,6 +53,7 @@ from scheduler.timers import (
 log = logging.getLogger("sbxnet.scheduler")
 
 MAX_TIMER_SLEEP_S = 0.5  # the timer loop looks again at least this often (a report can make a deadline appear)
+MAX_SWEEP_S = 1.0  # stale feed sources are looked for this often (a quarter of source_stale_s if less)
 
 
 class Unavailable(EnvironmentFault):
@@ -63,7 +74,8 @@ class WakeAnswer:
 class SchedulerService:
     """``now`` is wall-clock seconds (the store keeps these times across restarts). ``auto_ready``: no
     driver is configured, so a wake takes the sandbox straight to ``active`` (a fleet whose sandboxes
-    always run); otherwise the driver is the platform's webhook, which answers through ``driver_*``."""
+    always run); otherwise the driver is the platform's webhook, which answers through ``driver_*``.
+    ``source_stale_s``: a feed stream silent this long has its open counts forgotten (0: never)."""
 
     def __init__(
         self,
@@ -73,11 +85,17 @@ class SchedulerService:
         now: Callable[[], float] = time.time,
         auto_ready: bool = False,
         resync_s: float = 5.0,
+        source_stale_s: float = 30.0,
     ) -> None:
+        if not source_stale_s >= 0:
+            raise LocalProtocolError("bad_config", "source_stale_s must be 0 (never) or positive")
         self.store = store
         self.auto_ready = auto_ready
         self.resync_s = resync_s
+        self.source_stale_s = source_stale_s
         self._now = now
+        self._started_at = now()  # forget_stale waits source_stale_s from here
+        self._unattributed_forgotten = False
         self.feed = FeedService(store, forwarder_allow, now=now, on_events=self._published)
         self._changed: dict[str, asyncio.Event] = {}  # sandbox -> set at its next state change
         self._new_events = asyncio.Event()  # the event stream and the webhook sender wait on it
@@ -85,6 +103,7 @@ class SchedulerService:
         self._timer_task: asyncio.Task[None] | None = None
         self.counters: dict[str, int] = {
             "events": 0, "wakes": 0, "driver_starts": 0, "timer_fires": 0, "store_errors": 0, "resyncs": 0,
+            "sources_forgotten": 0,
         }
 
     # -- the core and the transaction pattern ---------------------------------------------------
@@ -322,6 +341,40 @@ class SchedulerService:
         self._published(events)
         return events
 
+    def forget_stale(self) -> list[Event]:
+        """Forget the open counts of every feed stream whose last batch was applied more than
+        ``source_stale_s`` ago (and not forgotten since), in one transaction: the stale ledger records
+        locked (on PostgreSQL one another transaction holds is skipped: a batch of it is being applied),
+        the sandboxes holding their counts locked and re-read (those the store names and those this core's
+        index names), the counts dropped (``TimerCore.forget_source``: an active sandbox under
+        ``connections`` left with none runs its idle period from now), the records marked. Nothing before
+        ``source_stale_s`` has passed since this service was made; the unattributed counts go with the
+        first sweep after that. Counted (``sources_forgotten``) and logged per stream."""
+        now = self.now()
+        stale_s = self.source_stale_s
+        if stale_s <= 0 or now - self._started_at < stale_s:
+            return []
+        with self._transaction(()) as tx:
+            stale = tx.stale_sources(now - stale_s)
+            sources = stale if self._unattributed_forgotten else [UNATTRIBUTED, *stale]
+            held = {s: set(tx.open_from(s)).union(self.core.holding(s)) for s in sources}
+            sids = sorted(set().union(*held.values()))
+            self._refresh(tx, sids)
+            events: list[Event] = []
+            for source in sources:
+                events += self.core.forget_source(source, now)
+                if source != UNATTRIBUTED:
+                    tx.mark_forgotten(source)
+            tx.save({s: self.core.snapshot(s) for s in sids if s in self.core}, events)
+        self._unattributed_forgotten = True
+        self.counters["sources_forgotten"] += len(stale)
+        for source in sources:
+            if source != UNATTRIBUTED or held[source]:
+                log.info("feed source stale: its open counts forgotten", extra={
+                    "event": "source_forgotten", "fields": {"source": source, "sandboxes": len(held[source])}})
+        self._published(events)
+        return events
+
     def resync(self) -> None:
         """Read every row again (a shared store: sandboxes another replica registered, changed or removed)."""
         try:
@@ -345,8 +398,13 @@ class SchedulerService:
     async def _timers(self) -> None:
         loop = asyncio.get_running_loop()
         next_resync = loop.time() + self.resync_s
+        sweep_s = min(MAX_SWEEP_S, self.source_stale_s / 4)
+        next_sweep = loop.time()
         while True:
             try:
+                if sweep_s > 0 and loop.time() >= next_sweep:
+                    next_sweep = loop.time() + sweep_s
+                    self.forget_stale()
                 self.fire_due()
             except Unavailable as e:
                 log.warning("idle timers: store unavailable", extra={"event": "timer_store_error",

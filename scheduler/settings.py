@@ -46,6 +46,10 @@ class SchedulerSettings(BaseSettings):
     route_cache_s: int = Field(2, ge=0, le=300, description="Cache-Control max-age of a route")
     negative_cache_s: int = Field(1, ge=0, le=300, description="Cache-Control max-age of an unknown sandbox")
     resync_s: float = Field(5.0, gt=0, le=300, description="shared store: re-read every row this often")
+    source_stale_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="a feed stream silent this long has its open connections forgotten (0: never)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     _split = field_validator("gateway_san_allow", "forwarder_san_allow", mode="before")(split_list)

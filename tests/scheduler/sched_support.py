@@ -91,7 +91,8 @@ class SchedulerApp:
     def __init__(self, store_factory: Callable[[], Store], pki: dict[str, Path], *, port: int | None = None,
                  webhook_url: str | None = None, webhook_secret: bytes | None = None,
                  route_cache_s: int = 2, negative_cache_s: int = 1,
-                 gateway_allow: tuple[str, ...] = (GATEWAY_SAN,)) -> None:
+                 gateway_allow: tuple[str, ...] = (GATEWAY_SAN,), source_stale_s: float = 30.0) -> None:
+        self.source_stale_s = source_stale_s
         self.gateway_allow = gateway_allow
         self.store_factory = store_factory
         self.pki = pki
@@ -113,7 +114,8 @@ class SchedulerApp:
     async def start(self) -> SchedulerApp:
         self.store = self.store_factory()
         self.service = SchedulerService(self.store, forwarder_allow=[FORWARDER_SAN],
-                                        auto_ready=self.webhook_url is None, resync_s=1.0)
+                                        auto_ready=self.webhook_url is None, resync_s=1.0,
+                                        source_stale_s=self.source_stale_s)
         self.api = Api(self.service, admin_token_sha256=ADMIN_SHA, gateway_allow=self.gateway_allow,
                        route_cache_s=self.route_cache_s, negative_cache_s=self.negative_cache_s)
         self._runner = web.AppRunner(self.api.app(), access_log=None, shutdown_timeout=1.0)

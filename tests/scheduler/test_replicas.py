@@ -1,8 +1,8 @@
 """Two scheduler replicas on one PostgreSQL (docs/scheduler.md "State and replicas"): each a real service and
 API over TLS with its own store connection and timer core, both running their idle timers, both taking
 the feed and the platform's calls. Each idle event fires exactly once, totals fed through either replica
-are exact, a wake waiting on one is answered when the driver reports to the other, and each webhook event
-is delivered once."""
+are exact, a wake waiting on one is answered when the driver reports to the other, each webhook event
+is delivered once, and a feed stream reporting to one replica is live for both."""
 
 from __future__ import annotations
 
@@ -136,3 +136,45 @@ async def test_a_wake_on_one_replica_answered_by_the_driver_on_the_other(pair: P
     assert len(ids) == len(set(ids)), pair.platform.events
     assert [e["to"] for e in pair.platform.events][:2] == ["idle", "waking"]
     assert json.dumps(pair.events()).count('"waking"') == 2  # the event to waking and the one from it
+
+
+async def test_a_stream_reporting_to_one_replica_is_live_for_both_and_forgotten_once(
+    pg_server: pg_support.PgServer, pki: dict[str, Path]
+) -> None:
+    """The time of a stream's last batch is in the shared ledger: a stream whose batches all go to replica
+    A is not stale to B's sweep; once it is silent, one of the two forgets it (once), and its sandbox
+    under the connections policy idles a period later."""
+    stale_s, period = 1.0, 0.5
+    dsn = pg_support.fresh_schema(pg_server)
+    a = await SchedulerApp(lambda: PgStore(dsn), pki, source_stale_s=stale_s).start()
+    b = await SchedulerApp(lambda: PgStore(dsn), pki, source_stale_s=stale_s).start()
+    p = Pair(a, b, None)
+    try:
+        await asyncio.sleep(stale_s)  # past both replicas' grace after their start
+        body = registration(idle_period_s=period, activity="connections")
+        assert (await p.cb.admin("PUT", "/v1/sandboxes/sbx-1", body))[0] == 201
+        await asyncio.sleep(0.05)
+        epoch = new_epoch(time.time_ns(), bytes(8))
+        seq = 0
+        live_until = time.time() + 3 * stale_s + period
+        while time.time() < live_until:  # one worker with a connection open, reporting every interval
+            seq += 1
+            entry = {"sandbox": "sbx-1", "bytes_in": 0, "bytes_out": 0, "open": 1, "idle_s": 0.0}
+            doc = {"epoch": epoch, "seq": seq, "sandboxes": [entry]}
+            last = time.time()  # no later than the replica's receive time
+            status, _, answer = await p.ca.call("POST", "/v1/feed?stream=3", as_="forwarder", body=doc)
+            assert (status, answer) == (200, {"acked": seq})
+            await asyncio.sleep(0.2)
+        assert ("sbx-1", "active", "idle") not in p.events()
+        await wait_for(lambda: ("sbx-1", "active", "idle") in p.events(), stale_s + period + 5.0, "idle")
+        assert a.store is not None and a.service is not None and b.service is not None
+        (idle,) = [e.event for e in a.store.events_after(0) if e.event.to_state.value == "idle"]
+        assert idle.at >= last + stale_s + period
+        assert a.service.counters["sources_forgotten"] + b.service.counters["sources_forgotten"] == 1
+        (row,) = a.store.sandboxes()
+        assert row.state.open_by == {}
+    finally:
+        await p.ca.close()
+        await p.cb.close()
+        await a.stop()
+        await b.stop()
