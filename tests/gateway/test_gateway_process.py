@@ -79,7 +79,7 @@ def wait_ready(mport: int, proc: subprocess.Popen[bytes], timeout: float = 20) -
         ({"lisen_port": 1}, "gateway.lisen_port: unknown setting"),
         ({"routes_file": '"/nonexistent/routes.json"'}, "gateway.routes_file"),
         ({"key_files": "[]"}, "gateway.key_files"),
-        ({"workers": 4}, "gateway.workers = 4"),
+        ({"workers": 257}, "gateway.workers = 257"),
         ({"scheduler_url": '"https://127.0.0.1:8700"'}, "exactly one of routes_file and scheduler_url"),
         ({"scheduler_url": '"http://127.0.0.1:8700"'}, "gateway.scheduler_url"),
         ({"scheduler_url": '"https://127.0.0.1:99999"'}, "gateway.scheduler_url"),

@@ -639,9 +639,6 @@ def test_hello_server_name_on_any_bytes_never_raises(data: bytes) -> None:
     assert hello_server_name(data) in (NEED_MORE, UNREADABLE) or isinstance(hello_server_name(data), HelloName)
 
 
-# CPython decodes the SNI as ASCII before calling any SNI callback and reports a name that is not as
-# "unraisable" (the handshake then fails with internal_error, the probe answers UNREADABLE): expected here.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @settings(max_examples=300, deadline=None)
 @given(flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), min_size=1, max_size=8))
 def test_hello_server_name_on_a_damaged_hello_never_raises(flips: list[tuple[int, int]]) -> None:
