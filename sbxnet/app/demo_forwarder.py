@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         status = c.open(preamble("127.0.0.1", app.port, "sbx-demo"))
         c.send(b"hello\n")
         _say(f"status {status.name}; the sandbox answered: {c.recv_all().decode().strip()!r}")
+        c.close_write()  # close_notify, then FIN: a FIN alone would be a truncation, answered with a reset
         c.close()
 
         _say(f"\n-- 2. {args.mib} MiB each way, both directions at once")
@@ -204,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         answered = time.monotonic()
         c.send(b"hello\n")
         c.recv_all()
+        c.close_write()
         c.close()
         _say(
             f"status {status.name} {1000 * (answered - late.listened_at):.1f} ms after the program listened "
