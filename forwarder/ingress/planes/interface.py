@@ -28,7 +28,7 @@ class Outcome(enum.StrEnum):
     FORBIDDEN = "forbidden"  # the target guard refused the preamble's destination
     NOT_LISTENING = "not_listening"  # nothing answered at the target before connect_deadline
     CLOSED = "closed"  # both directions ended with an orderly end of stream
-    RESET_GATEWAY = "reset_gateway"  # the gateway side reset; the sandbox side was reset too
+    RESET_GATEWAY = "reset_gateway"  # the gateway side reset, or ended without close_notify; the sandbox side reset too
     RESET_SANDBOX = "reset_sandbox"  # the sandbox reset; the gateway side was reset too
     CLOSE_TIMEOUT = "close_timeout"  # one side ended, the other did not within close_timeout
     TLS_ERROR = "tls_error"  # a record failed to decrypt, or a TLS message we refuse (KeyUpdate)
