@@ -40,6 +40,7 @@ once it ends (delivery is at least once: a slow owner may deliver after its leas
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -290,7 +291,7 @@ def open_by_text(open_by: Mapping[str, int]) -> str:
     one text (``{}`` for none, which the stores' partial index leaves out)."""
     if not open_by:
         return "{}"
-    return json.dumps(open_by, sort_keys=True, separators=(",", ":"))
+    return _dump(tuple(open_by.items()))
 
 
 def open_by_of(sandbox: str, text: str) -> dict[str, int]:
@@ -298,14 +299,27 @@ def open_by_of(sandbox: str, text: str) -> dict[str, int]:
     if text == "{}":
         return {}
     try:
-        value = json.loads(text)
+        return dict(_parse(text))
     except ValueError:
-        value = None
+        raise StoreError("bad_row", f"sandbox {sandbox!r}: open_by is not an object of positive counts") from None
+
+
+# Memoized both ways: a batch writes and reads every sandbox it names, and they hold a few distinct count
+# sets (one stream with one or two connections, mostly), which json would otherwise encode and decode
+# each time at a few microseconds each: as much as the rest of a row's work.
+@functools.lru_cache(maxsize=4096)
+def _dump(items: tuple[tuple[str, int], ...]) -> str:
+    return json.dumps(dict(items), sort_keys=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(text: str) -> tuple[tuple[str, int], ...]:
+    value = json.loads(text)
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and type(v) is int and v > 0 for k, v in value.items()
     ):
-        raise StoreError("bad_row", f"sandbox {sandbox!r}: open_by is not an object of positive counts")
-    return value
+        raise ValueError("not an object of positive counts")
+    return tuple(value.items())
 
 
 def state_row(st: SandboxState) -> tuple[object, ...]:
@@ -400,7 +414,7 @@ def sync_core(core: TimerCore, sandboxes: Collection[str], rows: Mapping[str, St
         if row is None:
             core.remove(sid)
             continue
-        if sid in core and _same_config(core.config(sid), row) and core.snapshot(sid) == row.state:
+        if sid in core and _same_config(core.config(sid), row) and core.has_state(sid, row.state):
             continue  # the common case with one writer: leave its heap entry where it is
         core.restore(row.config(), row.state)
 

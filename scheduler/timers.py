@@ -317,6 +317,10 @@ class TimerCore:
         """A copy of a sandbox's state, for the store."""
         return _copy(self._get(sandbox).st)
 
+    def has_state(self, sandbox: str, state: SandboxState) -> bool:
+        """Whether the sandbox's state equals ``state`` (``snapshot(sandbox) == state`` without the copy)."""
+        return self._get(sandbox).st == state
+
     def config(self, sandbox: str) -> SandboxConfig:
         return self._get(sandbox).config
 

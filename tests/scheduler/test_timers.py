@@ -924,3 +924,4 @@ def test_snapshot_and_restore_copy_every_field() -> None:
     state.open_by["fwd#0"] = 99
     snap.open_by["fwd#1"] = 99
     assert core.snapshot("sbx-1") == SandboxState(**{**values, "open_by": {"fwd#0": 2, "fwd#1": 3}})  # type: ignore[arg-type]
+    assert core.has_state("sbx-1", core.snapshot("sbx-1")) and not core.has_state("sbx-1", snap)
