@@ -88,6 +88,7 @@ def reporter_for(
         request_timeout_s=settings.feed_request_timeout,
         stream=stream,
         metrics=metrics,
+        open_refresh_s=settings.feed_open_refresh,
     )
 
 
@@ -108,12 +109,16 @@ class FeedReporter:
         request_timeout_s: float = 5.0,
         stream: int = 0,
         metrics: ForwarderMetrics | None = None,
+        open_refresh_s: float | None = 10.0,
     ) -> None:
         if not interval > 0 or not request_timeout_s > 0:
             raise ValueError("interval and request_timeout_s must be positive")
         if not 0 <= stream <= MAX_STREAM:
             raise ValueError(f"stream must be in [0, {MAX_STREAM}]")
         self._meter = meter
+        # A sandbox whose connections are open but silent is reported again this often: the scheduler
+        # forgets a stream's open connections once the stream falls silent (its source_stale_s).
+        self._open_refresh = open_refresh_s
         self._outbox = outbox
         self._url = f"{url}?stream={stream}"
         self._stream = stream
@@ -203,7 +208,8 @@ class FeedReporter:
             now = self._now()
             if now >= next_tick:
                 self.ticks += 1
-                deltas = self._meter.take_deltas(now)  # on the loop: the planes' meters are the loop's
+                # On the loop: the planes' meters are the loop's.
+                deltas = self._meter.take_deltas(now, self._open_refresh)
                 await self._off_loop(self._outbox.add, deltas, now)
                 self._observe(now)
                 next_tick = max(next_tick + self._interval, now)
@@ -216,7 +222,7 @@ class FeedReporter:
 
     async def _final_report(self) -> None:
         now = self._now()
-        await self._off_loop(self._outbox.add, self._meter.take_deltas(now), now)
+        await self._off_loop(self._outbox.add, self._meter.take_deltas(now, self._open_refresh), now)
         for _ in range(FINAL_ATTEMPTS):
             if await self._next_batch(ignore_backoff=True) is None:
                 return

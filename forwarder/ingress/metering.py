@@ -64,6 +64,9 @@ class Meter:
         self._pending: dict[str, _Pending] = {}
         self._closed_up = 0  # every closed connection's bytes since start
         self._closed_down = 0
+        # When each sandbox with open connections was last reported (for ``refresh_s``); a sandbox
+        # leaves it at the take that reports it with nothing open, so it is bounded by the live ones.
+        self._reported: dict[str, float] = {}
 
     def open(self, sandbox_id: str, conn_id: str, now: float) -> ConnMeter:
         """A meter for a new connection; ``now`` is its first activity. The next take reports the
@@ -91,24 +94,31 @@ class Meter:
         self._closed_up += m.up
         self._closed_down += m.down
 
-    def take_deltas(self, now: float) -> dict[str, SandboxDelta]:
+    def take_deltas(self, now: float, refresh_s: float | None = None) -> dict[str, SandboxDelta]:
         """What moved per sandbox since the previous take, and forget what is done.
-
         A sandbox is reported when bytes moved or a connection opened or closed since the previous
-        take; one with open connections and nothing new is not (its last report still holds). After
-        the take, a sandbox with no open connection is forgotten."""
+        take. One with open connections and nothing new is not (its last report still holds), unless
+        its last report is ``refresh_s`` or more old: then it is reported again with no bytes, so the
+        scheduler, which forgets a stream's open connections when the stream falls silent, keeps
+        seeing them. After the take, a sandbox with no open connection is forgotten."""
         out: dict[str, SandboxDelta] = {}
+        reported = self._reported
         for sid in self._live.keys() | self._pending.keys():
             p = self._pending.get(sid)
             live = self._live.get(sid, ())
             up = (p.up if p else 0) + sum(m.up - m._taken_up for m in live)
             down = (p.down if p else 0) + sum(m.down - m._taken_down for m in live)
-            if p is None and up == 0 and down == 0:
+            if p is None and up == 0 and down == 0 and (
+                    refresh_s is None or now - reported.get(sid, now) < refresh_s):
                 continue
             for m in live:
                 m._taken_up, m._taken_down = m.up, m.down
             last = max([p.last_activity if p else 0.0, *(m.last_activity for m in live)])
             out[sid] = SandboxDelta(up, down, len(live), last, max(0.0, now - last))
+            if live:
+                reported[sid] = now
+            else:
+                reported.pop(sid, None)
         self._pending.clear()
         return out
 

@@ -37,6 +37,8 @@ from scheduler.sqlite_store import SqliteStore  # noqa: E402
 GATEWAY_SAN = "spiffe://sbxnet.test/gateway"
 FEED_SAN = "spiffe://t/forwarder/1"  # sched_support's forwarder identity
 INTERVAL = 0.25  # the feed's report interval here
+STALE = 1.5  # the scheduler's source_stale_s here
+OPEN_REFRESH = 0.5  # the forwarder's feed_open_refresh here
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +101,12 @@ async def chain(pki: Pki, tmp_path: Path) -> AsyncIterator[Chain]:
                                        pki.dir, "fwd-feed")
     sched_pki = {"ca": pki.ca_file, "scheduler": cert, "scheduler_key": key}
     platform = await Platform().start()
+    # A feed stream silent for STALE seconds has its open connections forgotten; the forwarder reports
+    # open-but-silent sandboxes again every OPEN_REFRESH, so a live stream never looks silent.
     sched = await SchedulerApp(lambda: SqliteStore(tmp_path / "s.db"), sched_pki, webhook_url=platform.url,
-                               gateway_allow=(GATEWAY_SAN,)).start()
+                               gateway_allow=(GATEWAY_SAN,), source_stale_s=STALE).start()
     settings = forwarder_settings(pki, feed_url=f"{sched.url}/v1/feed", feed_cert_file=feed_cert,
-                                  feed_key_file=feed_key, feed_interval=INTERVAL)
+                                  feed_key_file=feed_key, feed_interval=INTERVAL, feed_open_refresh=OPEN_REFRESH)
     fwd = ForwarderThread(settings)
 
     async def start_reporter() -> FeedReporter:
@@ -182,7 +186,7 @@ async def test_under_the_connections_policy_an_open_connection_keeps_it_active(c
         s = await asyncio.to_thread(chain.tls, f"{tcp.port}-shell.{DOMAIN}")
         await asyncio.to_thread(s.sendall, b"x")
         assert await asyncio.to_thread(s.recv, 1) == b"x"
-        await asyncio.sleep(3 * period + 1)  # silent, but open
+        await asyncio.sleep(max(3 * period, 2 * STALE) + 1)  # silent but open, past the staleness too
         assert chain.state("shell") == "active" and chain.idle_events("shell") == []
         s.close()
         closed = time.time()

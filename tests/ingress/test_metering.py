@@ -185,3 +185,21 @@ def test_sum_of_all_takes_is_every_byte_metered(ops: list[tuple[str, int, int, i
     assert {s: v for s, v in taken.items() if v != [0, 0]} == {s: v for s, v in metered.items() if v != [0, 0]}
     assert meter._live == {} and meter._pending == {}
     assert meter.take_deltas(now) == {}
+
+
+def test_open_silent_connections_are_reported_again_every_refresh() -> None:
+    """The scheduler forgets a feed stream's open connections when the stream falls silent, so a sandbox
+    whose connections are open but idle is reported again (no bytes, its open count) every ``refresh_s``."""
+    meter = Meter()
+    m = meter.open("sbx-a", "c1", 1.0)
+    m.up += 5
+    assert meter.take_deltas(2.0, refresh_s=10.0) == {"sbx-a": SandboxDelta(5, 0, 1, 1.0, 1.0)}
+    assert meter.take_deltas(3.0, refresh_s=10.0) == {}  # silent, reported 1 s ago
+    assert meter.take_deltas(11.9, refresh_s=10.0) == {}
+    assert meter.take_deltas(12.0, refresh_s=10.0) == {"sbx-a": SandboxDelta(0, 0, 1, 1.0, 11.0)}
+    assert meter.take_deltas(13.0, refresh_s=10.0) == {}
+    assert meter.take_deltas(13.0) == {}  # without refresh_s: as before
+    meter.close(m)
+    assert meter.take_deltas(14.0, refresh_s=10.0) == {"sbx-a": SandboxDelta(0, 0, 0, 1.0, 13.0)}
+    assert meter.take_deltas(30.0, refresh_s=10.0) == {}  # forgotten: nothing open
+    assert meter._reported == {}  # bounded by the live sandboxes
