@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the project needs on a Debian 12 machine, as root, idempotently:
 # the system packages (compiler, iproute2, nftables, qemu + a stock Debian kernel for the kTLS tests,
-# haproxy and nginx for the benchmarks, chromium and openssh for the gateway's real-client tests) and a
+# haproxy, nginx (with its stream module) and h2load for the benchmarks, chromium and openssh for the
+# gateway's real-client tests) and a
 # virtual environment in .venv with the project installed editable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 need_pkgs=(build-essential python3-dev python3-venv pkg-config libssl-dev
            iproute2 nftables curl tcpdump ca-certificates postgresql
            qemu-system-x86 linux-image-amd64 busybox-static haproxy
-           chromium openssh-server openssh-client nginx)
+           chromium openssh-server openssh-client nginx libnginx-mod-stream nghttp2-client)
 missing=()
 for p in "${need_pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
