@@ -360,24 +360,25 @@ class H2Session:
 
     async def _proxy(self, st: _Stream, method: bytes, d: Admitted) -> None:
         fwd = d.fwd
-        try:
-            upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
-        except UpstreamFailed as e:
-            self.gw.invalidate(fwd.sandbox)
-            extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
-            await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
+        # The sandbox's slot first: a stream for a full sandbox costs no connection to its forwarder.
+        if not self.gw.take_sandbox_slot(fwd.sandbox):
+            await self.answer(st, 503, "too many connections to this sandbox", [(b"retry-after", b"1")],
+                              reason="sandbox_connection_limit")
             return
         try:
-            if not self.gw.take_sandbox_slot(fwd.sandbox):
-                await self.answer(st, 503, "too many connections to this sandbox", [(b"retry-after", b"1")],
-                                  reason="sandbox_connection_limit")
+            try:
+                upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
+            except UpstreamFailed as e:
+                self.gw.invalidate(fwd.sandbox)
+                extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
+                await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
                 return
             try:
                 await self._exchange(st, method, d, upstream.stream, upstream.leftover)
             finally:
-                self.gw.release_sandbox_slot(fwd.sandbox)
+                upstream.stream.abort()
         finally:
-            upstream.stream.abort()
+            self.gw.release_sandbox_slot(fwd.sandbox)
 
     async def _exchange(self, st: _Stream, method: bytes, d: Admitted, stream: TlsStream, leftover: bytes) -> None:
         conn = h11.Connection(h11.CLIENT)

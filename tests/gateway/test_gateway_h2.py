@@ -237,7 +237,8 @@ def test_a_coalesced_token_route_authenticates_each_stream_on_its_own(stack: dic
     assert seen(out, 13)["sandbox"] == "alpha"
     assert out[11]["headers"]["set-cookie"].startswith(f"sbx_token={TOKEN};")
     assert out[11]["headers"]["location"] == f"https://secure.{DOMAIN}:{stack['gw'].port}/"  # the port kept
-    assert [r["path"] for r in secure.requests[before:]] == ["/bearer", "/cookie"]
+    # Only those two reached the app; concurrent streams' links may reach it in either order.
+    assert sorted(r["path"] for r in secure.requests[before:]) == ["/bearer", "/cookie"]
     assert all(TOKEN not in json.dumps(r) for r in secure.requests[before:])
     assert seen(out, 7)["headers"]["cookie"] == "a=1"
 
@@ -289,13 +290,18 @@ def test_a_coalesced_stream_takes_a_slot_of_its_own_sandboxs_limit(stack: dict[s
             # alpha's one slot, held: its DATA is not acknowledged, so the stream stays open at its window
             c.request(1, f"alpha.{DOMAIN}", f"/bytes/{4 << 20}")
             c.wait(1, hold=(1,), heads_only=True)
+            attempts = gw.sample("sbxnet_gateway_upstream_attempts_total")
             c.request(3, f"alpha.{DOMAIN}", "/second")
+            out = c.wait(3, hold=(1,))
+            # Refused before any link: the slot is taken first, so a full sandbox costs its forwarder nothing.
+            assert gw.sample("sbxnet_gateway_upstream_attempts_total") == attempts
             c.request(5, f"beta.{DOMAIN}", "/coalesced")
             out = c.wait(3, 5, hold=(1,))
             assert not out[1].get("ended")
             assert [status(out, 1), status(out, 3), status(out, 5)] == ["200", "503", "200"]
             assert seen(out, 5)["sandbox"] == "beta"
             assert gw.sample("sbxnet_gateway_refusals_total", {"reason": "sandbox_connection_limit"}) == 1
+            assert gw.sample("sbxnet_gateway_upstream_attempts_total") == attempts + 1  # beta's link
         finally:
             c.close()
     finally:
