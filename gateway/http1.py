@@ -16,6 +16,11 @@ one direction and is passed on, a TCP FIN without close_notify, a reset or a TLS
 ``websocket_idle_timeout`` without a byte too). Once a response byte has gone
 to the client nothing is retried or synthesised: a failure then closes the connection.
 
+How links end. The link to the sandbox is kept between requests to the same sandbox port; once no exchange
+is under way on it (h11's states IDLE, or the app's MUST_CLOSE after a whole response) it is closed in
+order (close_notify then FIN, ``relay.close_cleanly``: the app reads an end of stream), and it is aborted
+(the forwarder passes a reset on to the app) only when a request or response was cut.
+
 Every request gets one access-log line when it ends (``RequestLog``, shared with the HTTP/2 front), the
 gateway's own answers (400, 401, 403, 404, 421, 431, 503...) included: the client connection's
 ``conn_id``, the sandbox and port it asked for, the method, the authority (the routed host name and the
@@ -29,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,7 +43,7 @@ import h11
 
 from gateway.auth import Allow, Deny, Redirect, authorize
 from gateway.names import Name, NameRefused, Names
-from gateway.relay import relay
+from gateway.relay import close_cleanly, relay
 from gateway.route_source import RouteLookupFailed
 from gateway.routing import Answer, Forward, decide_http, request_target, requested_port
 from gateway.upstream import Upstream, UpstreamFailed
@@ -225,6 +231,7 @@ class H1Session:
         self._head = bytearray()
         self._requests = 0
         self._rec = RequestLog("http/1.1", conn_id, time.monotonic())  # the request being served
+        self._closing: set[asyncio.Task[bool]] = set()  # links being closed in order
 
     # -- reading the client ------------------------------------------------------------------------
 
@@ -292,6 +299,7 @@ class H1Session:
     # -- the loop ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        cut = False  # cancelled (a drain's cut): the link is reset at once
         try:
             while True:
                 try:
@@ -325,10 +333,37 @@ class H1Session:
                     return
         except _ClientGone:
             return
+        except asyncio.CancelledError:
+            cut = True
+            raise
         finally:
-            if self.up is not None:
-                self.up.upstream.stream.abort()
-                self.up = None
+            up, self.up = self.up, None
+            if cut:
+                if up is not None:
+                    up.upstream.stream.abort()
+                for task in self._closing:
+                    task.cancel()
+            else:
+                await self._end(up)
+
+    async def _end(self, up: _Up | None) -> None:
+        """The connection's end: the link closed in order when no exchange is under way on it, aborted
+        otherwise; and the links still closing waited for."""
+        closes: list[Awaitable[bool]] = []
+        if up is not None:
+            if up.conn.our_state is h11.IDLE and up.conn.their_state is h11.IDLE:
+                closes.append(close_cleanly(up.upstream.stream))
+            else:
+                up.upstream.stream.abort()
+        closes.extend(self._closing)
+        if closes:
+            await asyncio.gather(*closes, return_exceptions=True)
+
+    def _close_link_later(self, stream: TlsStream) -> None:
+        """Close a link whose exchanges are all complete, in order, without holding up the client."""
+        task = asyncio.create_task(close_cleanly(stream))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _one(self, req: h11.Request) -> bool:
         """Handle one request; False when the connection must close."""
@@ -396,7 +431,8 @@ class H1Session:
         if self.up is not None and self.up.key == key and self.up.conn.our_state is h11.IDLE:
             return self.up
         if self.up is not None:
-            self.up.upstream.stream.abort()
+            # Another sandbox port now: the old link's exchanges are complete (a cut one was dropped already).
+            self._close_link_later(self.up.upstream.stream)
             self.up = None
         upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
         self.up = _Up(key, upstream, h11.Connection(h11.CLIENT))
@@ -480,7 +516,7 @@ class H1Session:
             return False
         self.gw.metrics.requests.labels("http", str(status)).inc()
         if up.conn.our_state is h11.MUST_CLOSE or up.conn.their_state is h11.MUST_CLOSE:
-            stream.abort()
+            self._close_link_later(stream)  # the app said close after a whole response: in order
             self.up = None
         else:
             up.conn.start_next_cycle()

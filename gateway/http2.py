@@ -40,6 +40,11 @@ stream waits for WINDOW_UPDATE), and an h2c app's DATA is acknowledged to it onl
 A stream that fails is reset (or answered 502 before its response began); the other streams go on. Not
 served: extended CONNECT (WebSockets over HTTP/2: the SETTINGS_ENABLE_CONNECT_PROTOCOL setting is not sent,
 so clients use HTTP/1.1 for them), server push.
+
+How it ends. An ``http`` stream's link is closed in order (close_notify then FIN: the app reads an end of
+stream) once its exchange is complete both ways, and aborted (a reset at the app) when the request or the
+response was cut. An h2c connection is closed with GOAWAY then close_notify and FIN when the client
+connection ends: a stream cut by then has been reset at the app with its own RST_STREAM already.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +68,7 @@ import h11
 from gateway import h2c_upstream as h2c
 from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, RequestLog, admit
 from gateway.names import Name
+from gateway.relay import CLOSE_LINGER, close_cleanly
 from gateway.routing import Forward
 from gateway.upstream import UpstreamFailed
 from sbxnet.tls_stream import TlsStream
@@ -72,6 +79,7 @@ MAX_CONCURRENT_STREAMS = 100
 _CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 3.4
 STREAM_WINDOW = 1 << 20  # what a client may send on one stream before we acknowledge it
 CONNECTION_WINDOW = 4 << 20
+_H11_ENDED = (h11.DONE, h11.MUST_CLOSE)  # an h11 side whose message is whole
 # Headers that mean something for one HTTP/1.1 connection only, never sent as HTTP/2 (RFC 9113 8.2.2).
 _RESPONSE_DROP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade", b"te",
                   b"trailer"}
@@ -109,6 +117,7 @@ class _H2cLink:
     sandbox: str  # whose connection slot it holds ("" once given back, or when it holds none)
     opening: asyncio.Task[h2c.H2cConnection] | None = None
     conn: h2c.H2cConnection | None = None
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # the connection is dead (its reader ended)
 
 
 class H2Session:
@@ -133,6 +142,7 @@ class H2Session:
         self._gone = False
         self._h2c: dict[tuple[object, ...], _H2cLink] = {}  # the usable ones, by route and port
         self._h2c_all: list[_H2cLink] = []  # every one opened, closed when the client connection ends
+        self._cut = False  # cancelled (a drain's cut): the h2c links are aborted, not closed in order
 
     # -- the connection ----------------------------------------------------------------------------
 
@@ -199,6 +209,9 @@ class H2Session:
                     return
         except _ClientGone:
             return
+        except asyncio.CancelledError:
+            self._cut = True
+            raise
         finally:
             for st in list(self.streams.values()):
                 if st.task is not None:
@@ -373,19 +386,30 @@ class H2Session:
                 extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
                 await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
                 return
+            conn = h11.Connection(h11.CLIENT)
+            whole = False
             try:
-                await self._exchange(st, method, d, upstream.stream, upstream.leftover)
+                await self._exchange(st, method, d, upstream.stream, upstream.leftover, conn)
+                # Complete both ways (the request sent whole, the response read whole): end the link in order.
+                whole = conn.our_state in _H11_ENDED and conn.their_state in _H11_ENDED
             finally:
-                upstream.stream.abort()
+                if whole:
+                    await close_cleanly(upstream.stream)
+                else:
+                    upstream.stream.abort()
         finally:
             self.gw.release_sandbox_slot(fwd.sandbox)
 
-    async def _exchange(self, st: _Stream, method: bytes, d: Admitted, stream: TlsStream, leftover: bytes) -> None:
-        conn = h11.Connection(h11.CLIENT)
+    async def _exchange(self, st: _Stream, method: bytes, d: Admitted, stream: TlsStream, leftover: bytes,
+                        conn: h11.Connection) -> None:
         if leftover:
             conn.receive_data(leftover)
         started = time.monotonic()
         await stream.write(conn.send(self._upstream_head(st, method, d)))
+        if st.ended:
+            # No body: no byte to send, but h11 must know the request is whole (the response may be read
+            # whole before the body task first runs), or the link would count as cut and be aborted.
+            conn.send(h11.EndOfMessage())
         body_task = asyncio.create_task(self._pump_request_body(st, conn, stream))
         responded = False
         try:
@@ -495,7 +519,11 @@ class H2Session:
             self.gw.release_sandbox_slot(fwd.sandbox)
             link.sandbox = ""
             raise
-        conn = h2c.H2cConnection(up.stream, up.leftover, on_dead=lambda _c: self._drop_h2c(link))
+        def dead(_c: h2c.H2cConnection) -> None:
+            link.gone.set()
+            self._drop_h2c(link)
+
+        conn = h2c.H2cConnection(up.stream, up.leftover, on_dead=dead)
         link.conn = conn
         try:
             await conn.start()
@@ -521,8 +549,24 @@ class H2Session:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await link.opening
             if link.conn is not None:
-                await link.conn.close()
+                await self._end_h2c(link, link.conn)
             self._drop_h2c(link)
+
+    async def _end_h2c(self, link: _H2cLink, conn: h2c.H2cConnection) -> None:
+        """End an h2c connection with the client connection: what is pending (the resets of streams given
+        up) and GOAWAY, then close_notify and FIN, and the app's own end (its reader sees it), within the
+        linger; then it is closed (``close`` aborts a link the app has not ended by then)."""
+        if conn.dead is None and not self._cut:
+            try:
+                async with asyncio.timeout(CLOSE_LINGER):
+                    with contextlib.suppress(h2.exceptions.ProtocolError):
+                        conn.h2.close_connection()
+                    await conn.flush()
+                    await conn.link.write_eof()
+                    await link.gone.wait()
+            except (h2c.H2cUnusable, OSError, ssl.SSLError, TimeoutError):
+                pass
+        await conn.close(grace=0)
 
     async def _proxy_h2c(self, st: _Stream, method: bytes, d: Admitted) -> None:
         fwd = d.fwd

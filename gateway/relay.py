@@ -1,9 +1,14 @@
-"""Bytes both ways between two TLS streams (a raw TCP route's client and its link), by one ending rule.
+"""How TLS streams end: bytes both ways between two of them (a raw TCP route's client and its link, an
+upgrade's pipe) by one ending rule, and the orderly close of one.
 
 The rule at both TLS ends is the forwarder's (docs/forwarder.md): close_notify ends one direction only and
 is passed on as close_notify then FIN, while the other direction goes on; a TCP FIN without close_notify
 (a cut connection, or a truncation attack), a reset or a TLS error resets both sides, so neither takes a
 truncated stream for a complete one. Nothing is parsed.
+
+``close_cleanly`` is the orderly end the gateway itself chooses (a link whose exchanges are all complete):
+close_notify then FIN, so the peer (through the forwarder, the sandbox's app) reads an end of stream and not
+a reset.
 """
 
 from __future__ import annotations
@@ -11,11 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 
 from sbxnet.tls_stream import TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
+
+# How long an orderly close waits for the peer's own end after ours (and for ours to be sent). Reading on
+# until the peer ends (a lingering close) keeps the kernel from answering its last bytes with a reset that
+# could destroy what we sent before it was read; the bound keeps a peer that never ends from holding us.
+CLOSE_LINGER = 1.0
 
 
 class _Truncated(Exception):
@@ -80,3 +91,33 @@ async def relay(client: TlsStream, link: TlsStream, *, idle: float, leftover: by
             client.abort()
             link.abort()
     return ended, moved[0], moved[1]
+
+
+async def close_cleanly(stream: TlsStream, *, linger: float = CLOSE_LINGER,
+                        reading: asyncio.Future[bytes] | None = None) -> bool:
+    """End ``stream`` in order: close_notify then FIN, then whatever the peer still sends is read and dropped
+    until its own end of stream, then the socket is closed; all of it within ``linger`` seconds. ``reading``:
+    a read of ``stream`` already under way (its bytes are dropped too). True when the peer ended its side in
+    time; False when it did not, or the stream broke (it is closed either way)."""
+    ended = False
+    try:
+        async with asyncio.timeout(linger):
+            await stream.write_eof()
+            while True:
+                if reading is not None:
+                    data = await reading
+                    reading = None
+                else:
+                    data = await stream.read()
+                if not data:
+                    ended = True
+                    break
+    except (OSError, ssl.SSLError, TimeoutError):
+        pass
+    finally:
+        if reading is not None:
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reading
+        stream.close()
+    return ended
