@@ -16,10 +16,16 @@ one direction and is passed on, a TCP FIN without close_notify, a reset or a TLS
 ``websocket_idle_timeout`` without a byte too). Once a response byte has gone
 to the client nothing is retried or synthesised: a failure then closes the connection.
 
-How links end. The link to the sandbox is kept between requests to the same sandbox port; once no exchange
-is under way on it (h11's states IDLE, or the app's MUST_CLOSE after a whole response) it is closed in
-order (close_notify then FIN, ``relay.close_cleanly``: the app reads an end of stream), and it is aborted
-(the forwarder passes a reset on to the app) only when a request or response was cut.
+How connections end. The link to the sandbox is kept between requests to the same sandbox port; once no
+exchange is under way on it (h11's states IDLE, or the app's MUST_CLOSE after a whole response) it is
+closed in order (close_notify then FIN, ``relay.close_cleanly``: the app reads an end of stream), and it is
+aborted (the forwarder passes a reset on to the app) only when a request or response was cut. The client
+connection is closed in order too when the gateway ends it by choice: ``idle_timeout``, a drain, an exchange
+after which HTTP/1.1 says close (``Connection: close``, HTTP/1.0). On a drain (``drain``) a connection waiting
+for its next request is closed at once; one with a request in flight gets ``Connection: close`` on its
+response (when its head has not gone yet) and is closed after it; one that has not sent its first request
+yet is given that request within ``header_timeout`` and closed after it. An upgraded connection is not told
+(``relay.relay`` moves its bytes without reading them): it runs on until the drain's cut.
 
 Every request gets one access-log line when it ends (``RequestLog``, shared with the HTTP/2 front), the
 gateway's own answers (400, 401, 403, 404, 421, 431, 503...) included: the client connection's
@@ -231,7 +237,19 @@ class H1Session:
         self._head = bytearray()
         self._requests = 0
         self._rec = RequestLog("http/1.1", conn_id, time.monotonic())  # the request being served
+        self.kind = "http/1.1"  # "upgrade" once its bytes are piped (what a drain's cut counts it as)
+        self._drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # set by ``drain``
+        if gw.draining:
+            self._drained.set_result(None)
+        self._idle_end = False  # the wait for a next request ended by idle_timeout or a drain, not the client
+        self._pending_read: asyncio.Future[bytes] | None = None  # the read that wait left under way
         self._closing: set[asyncio.Task[bool]] = set()  # links being closed in order
+
+    def drain(self) -> None:
+        """The gateway drains: a connection waiting for its next request is closed now; a response not yet
+        begun says ``Connection: close``; after the exchange in flight the connection is closed."""
+        if not self._drained.done():
+            self._drained.set_result(None)
 
     # -- reading the client ------------------------------------------------------------------------
 
@@ -258,16 +276,31 @@ class H1Session:
         cfg = self.gw.config
         self._head = bytearray(self.h.trailing_data[0])  # pipelined bytes already received
         if self._requests and not self._head:
-            try:
-                data = await asyncio.wait_for(self.client.read(), cfg.idle_timeout)
-            except TimeoutError:
+            data = await self._idle_read(cfg.idle_timeout)
+            if data is None:
                 return None
-            except OSError:
-                raise _ClientGone() from None
             self._feed(data)
         async with asyncio.timeout(cfg.header_timeout):
             ev = await self._client_event()
         return ev if isinstance(ev, h11.Request) else None
+
+    async def _idle_read(self, timeout: float) -> bytes | None:
+        """The first bytes of a next request; None when ``timeout`` passed or the gateway drains first (the
+        read stays under way in ``_pending_read``: the orderly close drops what it brings)."""
+        read = asyncio.ensure_future(self.client.read())
+        try:
+            await asyncio.wait((read, self._drained), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            read.cancel()
+            raise
+        if read.done():  # bytes that came with the drain are a request to serve (with Connection: close)
+            try:
+                return read.result()
+            except OSError:
+                raise _ClientGone() from None
+        self._pending_read = read
+        self._idle_end = True
+        return None
 
     # -- answering ourselves -----------------------------------------------------------------------
 
@@ -281,7 +314,7 @@ class H1Session:
         body = (message + "\n").encode()
         hdrs = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode()),
                 *(headers or [])]
-        if close:
+        if close or self._drained.done():
             hdrs.append((b"connection", b"close"))
         self.gw.metrics.requests.labels("http", str(status)).inc()
         if reason:
@@ -299,7 +332,8 @@ class H1Session:
     # -- the loop ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        cut = False  # cancelled (a drain's cut): the link is reset at once
+        orderly = False  # the gateway ends the connection by choice: close_notify, FIN (``close_cleanly``)
+        cut = False  # cancelled (a drain's cut): everything is reset at once
         try:
             while True:
                 try:
@@ -317,15 +351,22 @@ class H1Session:
                         self._rec.emit()
                     return
                 if req is None:
+                    orderly = self._idle_end  # else the client closed
                     return
                 self._requests += 1
                 self._rec = RequestLog("http/1.1", self.conn_id, time.monotonic())
                 self._rec.set_method(req.method)
                 try:
                     keep = await self._one(req)
+                except asyncio.CancelledError:
+                    self._rec.reason = self._rec.reason or ("drain_cut" if self.gw.draining else "cancelled")
+                    raise
                 finally:
                     self._rec.emit()
-                if not keep or self.h.our_state is h11.MUST_CLOSE:
+                if not keep:
+                    return
+                if self.h.our_state is h11.MUST_CLOSE or self._drained.done():
+                    orderly = True  # the exchange is whole, and HTTP/1.1 (or the drain) says close
                     return
                 try:
                     self.h.start_next_cycle()
@@ -343,18 +384,26 @@ class H1Session:
                     up.upstream.stream.abort()
                 for task in self._closing:
                     task.cancel()
+                if self._pending_read is not None:
+                    self._pending_read.cancel()
+                self.client.abort()
             else:
-                await self._end(up)
+                await self._end(up, orderly)
 
-    async def _end(self, up: _Up | None) -> None:
-        """The connection's end: the link closed in order when no exchange is under way on it, aborted
-        otherwise; and the links still closing waited for."""
+    async def _end(self, up: _Up | None, orderly: bool) -> None:
+        """The connection's end: the link closed in order when no exchange is under way on it (aborted
+        otherwise), the client in order when the gateway chose to end it (closed, not reset, otherwise)."""
         closes: list[Awaitable[bool]] = []
         if up is not None:
             if up.conn.our_state is h11.IDLE and up.conn.their_state is h11.IDLE:
                 closes.append(close_cleanly(up.upstream.stream))
             else:
                 up.upstream.stream.abort()
+        if orderly:
+            closes.append(close_cleanly(self.client, reading=self._pending_read))
+        elif self._pending_read is not None:
+            self._pending_read.cancel()
+        self._pending_read = None
         closes.extend(self._closing)
         if closes:
             await asyncio.gather(*closes, return_exceptions=True)
@@ -490,6 +539,8 @@ class H1Session:
                 if isinstance(ev, h11.Response):
                     status = ev.status_code
                     hdrs = self._response_headers(ev.headers)
+                    if self._drained.done():
+                        hdrs.append((b"connection", b"close"))  # the app's own Connection went with the hop
                     await self._send(h11.Response(status_code=ev.status_code, headers=hdrs, reason=ev.reason))
                     responded = True
                     self._rec.status = status
@@ -503,6 +554,9 @@ class H1Session:
                 elif isinstance(ev, h11.ConnectionClosed):
                     raise ConnectionResetError("the sandbox closed before its response ended")
             await body_task
+        except asyncio.CancelledError:
+            body_task.cancel()  # the session resets both ends
+            raise
         except (OSError, h11.ProtocolError, _ClientGone) as e:
             body_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -557,6 +611,7 @@ class H1Session:
         up_rest, _ = up.conn.trailing_data
         stream = up.upstream.stream
         self.up = None
+        self.kind = "upgrade"
         if client_rest:
             try:
                 await stream.write(client_rest)

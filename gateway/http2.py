@@ -45,6 +45,14 @@ How it ends. An ``http`` stream's link is closed in order (close_notify then FIN
 stream) once its exchange is complete both ways, and aborted (a reset at the app) when the request or the
 response was cut. An h2c connection is closed with GOAWAY then close_notify and FIN when the client
 connection ends: a stream cut by then has been reset at the app with its own RST_STREAM already.
+
+Drain (``drain``): GOAWAY with NO_ERROR and the highest stream id taken so far goes out at once; those
+streams finish; a stream the client opens after it (it had not read the GOAWAY yet) is reset
+REFUSED_STREAM, so it knows the stream was not processed and may retry it elsewhere; once no stream is left
+the connection is closed in order. h2 (4.4) cannot do this itself: after its own GOAWAY
+(``close_connection``) it sends nothing more and refuses every later frame (python-hyper/h2 issue 1181), so
+the streams in flight could not finish. The GOAWAY frame is therefore written here (``goaway_frame``),
+beside h2's bytes, and h2 goes on serving the streams it has.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +99,17 @@ class _ClientGone(Exception):
 
 
 _END = object()
+
+_GOAWAY = 0x7  # RFC 9113 6.8
+
+
+def goaway_frame(last_stream_id: int, error_code: int = 0, debug: bytes = b"") -> bytes:
+    """A GOAWAY frame (RFC 9113 6.8): the 9-byte frame header (length, type 0x7, no flags, stream 0), then
+    the last stream id (31 bits, the reserved bit clear), the error code and any debug data."""
+    if not 0 <= last_stream_id < 1 << 31:
+        raise ValueError(f"stream id out of range: {last_stream_id}")
+    payload = struct.pack(">II", last_stream_id, error_code) + debug
+    return len(payload).to_bytes(3, "big") + bytes((_GOAWAY, 0)) + bytes(4) + payload
 
 
 @dataclass
@@ -142,7 +162,68 @@ class H2Session:
         self._gone = False
         self._h2c: dict[tuple[object, ...], _H2cLink] = {}  # the usable ones, by route and port
         self._h2c_all: list[_H2cLink] = []  # every one opened, closed when the client connection ends
-        self._cut = False  # cancelled (a drain's cut): the h2c links are aborted, not closed in order
+        self.kind = "h2"
+        self._started = False  # our SETTINGS went first: a GOAWAY may follow
+        self._drain_wanted = False
+        self._last_stream: int | None = None  # the drain's GOAWAY: the last stream taken; later ones refused
+        self._goaway_sent = False
+        self._closing = False  # close_notify is out (or going): nothing more is written
+        self._closer: asyncio.Task[None] | None = None
+        self._ended = asyncio.Event()  # run() is ending: the closer need not wait for the client any more
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._cut = False
+
+    def drain(self) -> None:
+        """The gateway drains: GOAWAY (NO_ERROR, the highest stream taken) now; the streams in flight finish,
+        later ones are refused; the connection closes in order when none is left."""
+        if not self._started:
+            self._drain_wanted = True  # run() sends it once our SETTINGS are out
+            return
+        if self._last_stream is not None:
+            return
+        self._last_stream = self.h2.highest_inbound_stream_id
+        task = asyncio.create_task(self._send_goaway(self._last_stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_goaway(self, last: int) -> None:
+        async with self._write_lock:
+            if self._gone or self._closing:
+                return
+            try:
+                await self.client.write(goaway_frame(last))
+            except OSError:
+                self._gone = True
+                return
+            self._goaway_sent = True
+        self._close_if_drained()
+
+    def _close_if_drained(self) -> None:
+        if self._goaway_sent and self._closer is None and not self._gone and not self._active():
+            self._closer = asyncio.create_task(self._close_drained())
+
+    async def _close_drained(self) -> None:
+        """After our GOAWAY, no stream left: close_notify then FIN, then the client's own end, which ends
+        run(); a client that does not end its side within the linger is closed on."""
+        async with self._write_lock:
+            self._closing = True
+            pending = self.h2.data_to_send()  # window updates, resets of refused streams: before the end
+            try:
+                async with asyncio.timeout(CLOSE_LINGER):
+                    if pending:
+                        await self.client.write(pending)
+                    await self.client.write_eof()
+            except (OSError, TimeoutError):
+                pass
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ended.wait(), CLOSE_LINGER)
+            return
+        self.client.close()  # run()'s read ends with it
+
+    def _close_connection(self, code: h2.errors.ErrorCodes | int = 0) -> None:
+        """h2's GOAWAY, naming no stream past the drain's (GOAWAY's last stream id never grows)."""
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection(error_code=code, last_stream_id=self._last_stream)
 
     # -- the connection ----------------------------------------------------------------------------
 
@@ -151,6 +232,8 @@ class H2Session:
         if not data:
             return
         async with self._write_lock:  # FIFO: frames leave in the order h2 produced them
+            if self._closing:
+                return  # closed in order after the drain: a late frame has nowhere to go
             if self._gone:
                 raise _ClientGone()
             try:
@@ -170,6 +253,9 @@ class H2Session:
         self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         try:
             await self._flush()
+            self._started = True
+            if self._drain_wanted or self.gw.draining:
+                self.drain()
             first = True
             while True:
                 timeout = cfg.header_timeout if first else (None if self._active() else cfg.idle_timeout)
@@ -177,7 +263,7 @@ class H2Session:
                     data = await asyncio.wait_for(self.client.read(), timeout)
                 except TimeoutError:
                     self.gw.metrics.refusals.labels("header_timeout" if first else "idle_timeout").inc()
-                    self.h2.close_connection()
+                    self._close_connection()
                     await self._flush()
                     return
                 except OSError:
@@ -187,8 +273,7 @@ class H2Session:
                     return
                 if not self._guard.feed(data, self.h2.max_inbound_frame_size):
                     self.gw.metrics.refusals.labels("frame_too_large").inc()
-                    with contextlib.suppress(h2.exceptions.ProtocolError):
-                        self.h2.close_connection(error_code=h2.errors.ErrorCodes.FRAME_SIZE_ERROR)
+                    self._close_connection(h2.errors.ErrorCodes.FRAME_SIZE_ERROR)
                     await self._flush()
                     return
                 try:
@@ -196,8 +281,7 @@ class H2Session:
                 except h2.exceptions.ProtocolError as e:
                     self.gw.metrics.refusals.labels("bad_request").inc()
                     code = getattr(e, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
-                    with contextlib.suppress(h2.exceptions.ProtocolError):
-                        self.h2.close_connection(error_code=code)
+                    self._close_connection(code)
                     await self._flush()
                     return
                 ended = False
@@ -210,16 +294,21 @@ class H2Session:
         except _ClientGone:
             return
         except asyncio.CancelledError:
-            self._cut = True
+            self._cut = True  # a drain's cut: the h2c links are aborted, not closed in order
             raise
         finally:
+            self._ended.set()
             for st in list(self.streams.values()):
                 if st.task is not None:
                     st.task.cancel()
             tasks = [st.task for st in self.streams.values() if st.task is not None]
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            for task in list(self._tasks):
+                task.cancel()
             await self._close_h2c()
+            if self._closer is not None:
+                await self._closer
 
     def _active(self) -> bool:
         return any(not st.done for st in self.streams.values())
@@ -234,6 +323,9 @@ class H2Session:
         """Handle one h2 event; True when the client ended the connection (GOAWAY)."""
         st: _Stream | None
         if isinstance(ev, h2.events.RequestReceived):
+            if self._last_stream is not None and ev.stream_id > self._last_stream:
+                self._refuse(ev)
+                return False
             new = _Stream(ev.stream_id, list(ev.headers), ev.stream_ended is not None,
                           rec=RequestLog("h2", self.conn_id, time.monotonic()))
             self.streams[ev.stream_id] = new
@@ -270,6 +362,15 @@ class H2Session:
             return True
         return False
 
+    def _refuse(self, ev: h2.events.RequestReceived) -> None:
+        """A stream opened after the drain's GOAWAY: not processed, reset REFUSED_STREAM (RFC 9113 8.7)."""
+        rec = RequestLog("h2", self.conn_id, time.monotonic(), reason="after_goaway")
+        rec.set_method(next((v for n, v in ev.headers if n == b":method"), b""))
+        rec.emit()
+        self.gw.metrics.refusals.labels("after_goaway").inc()
+        with contextlib.suppress(h2.exceptions.ProtocolError, KeyError):
+            self.h2.reset_stream(ev.stream_id, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
+
     def _ack(self, length: int, stream_id: int) -> None:
         with contextlib.suppress(h2.exceptions.ProtocolError, KeyError):
             self.h2.acknowledge_received_data(length, stream_id)
@@ -296,6 +397,7 @@ class H2Session:
                 if isinstance(item, tuple):
                     self._ack(item[1], st.id)
             self.streams.pop(st.id, None)
+            self._close_if_drained()
 
     def _reset(self, st: _Stream, code: h2.errors.ErrorCodes | int) -> None:
         with contextlib.suppress(h2.exceptions.ProtocolError, KeyError):

@@ -6,9 +6,9 @@ is passed on as close_notify then FIN, while the other direction goes on; a TCP 
 (a cut connection, or a truncation attack), a reset or a TLS error resets both sides, so neither takes a
 truncated stream for a complete one. Nothing is parsed.
 
-``close_cleanly`` is the orderly end the gateway itself chooses (a link whose exchanges are all complete):
-close_notify then FIN, so the peer (through the forwarder, the sandbox's app) reads an end of stream and not
-a reset.
+``close_cleanly`` is the orderly end the gateway itself chooses (an idle keep-alive client at a drain, a link
+whose exchanges are all complete): close_notify then FIN, so the peer (through the forwarder, the sandbox's
+app) reads an end of stream and not a reset.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ async def relay(client: TlsStream, link: TlsStream, *, idle: float, leftover: by
     so neither takes a truncated stream for a complete one. ``idle`` seconds without a byte either way
     resets both too. ``leftover``: bytes that came with the forwarder's status, the first for the client.
     Returns how it ended (``closed``, ``truncated``, ``reset``, ``idle``) and the bytes moved up (client
-    to sandbox) and down."""
+    to sandbox) and down. Cancelled (a drain's cut at ``drain_timeout``), both sides are reset."""
     last = [time.monotonic()]
     moved = [0, 0]
 
@@ -78,6 +78,9 @@ async def relay(client: TlsStream, link: TlsStream, *, idle: float, leftover: by
             if time.monotonic() - last[0] >= idle:
                 ended = "idle"
                 break
+    except asyncio.CancelledError:
+        ended = "cut"
+        raise
     finally:
         for t in tasks:
             t.cancel()

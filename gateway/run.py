@@ -1,6 +1,8 @@
 """Running a gateway process: logging, the event loop, signals, the ops endpoints.
 
-SIGTERM and SIGINT drain (stop accepting, let live connections finish up to ``drain_timeout``); SIGHUP
+SIGTERM and SIGINT drain (``GatewayServer.drain``: stop accepting, close idle HTTP connections in order,
+GOAWAY to HTTP/2, ``Connection: close`` on the answers in flight, return once the last connection is gone or
+cut what is left, upgrades and raw TCP among them, at ``drain_timeout``); SIGHUP
 reloads the client-facing certificates and the routes file, keeping the old ones if either fails to load.
 With ``workers`` > 1 the supervisor in ``sbxnet.supervisor`` starts that many of these processes
 (``gateway.worker``) on one port (SO_REUSEPORT), serves the ops endpoints with their metrics summed, and
@@ -156,12 +158,14 @@ async def _main(settings: GatewaySettings, *, reuse_port: bool, ops: bool) -> in
     loop.add_signal_handler(signal.SIGHUP, lambda: _reload(config))
     await stop.wait()
     log.info("draining", extra={"event": "draining", "fields": {"open": server.open_connections}})
+    started = loop.time()
     cut = await server.drain(settings.drain_timeout)
+    drained_s = round(loop.time() - started, 3)
     if isinstance(config.routes, SchedulerRoutes):
         await config.routes.close()
     if ops_server:
         await ops_server.close()
-    log.info("stopped", extra={"event": "stopped", "fields": {"cut": cut}})
+    log.info("stopped", extra={"event": "stopped", "fields": {"cut": cut, "drain_seconds": drained_s}})
     return 0
 
 

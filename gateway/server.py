@@ -17,6 +17,15 @@ handshake, also before anything goes upstream. Half-close and reset follow one r
 forwarder's (docs/forwarder.md): close_notify ends one direction (passed on as close_notify then FIN, as
 FIN to the sandbox); a TCP FIN without close_notify, a reset, a TLS error, or ``tcp_idle_timeout`` without
 a byte resets both sides, so a truncated stream never looks complete.
+
+Drain (``drain``, on SIGTERM): the listener closes at once, then each session is told
+(``H1Session.drain``, ``H2Session.drain``): an idle HTTP/1.1 keep-alive connection is closed in order at
+once, one with a request in flight answers it with ``Connection: close`` and closes; an HTTP/2 connection
+gets GOAWAY (NO_ERROR, the last stream it had taken), finishes those streams, refuses later ones and closes.
+Upgraded connections (WebSocket) and raw TCP routes are not told: their bytes are not read here, so nothing
+can be said to them in band (docs/gateway.md says why no WebSocket close frame is injected); they run on.
+``drain`` returns as soon as the last connection is gone, or at its timeout, when every connection still
+open is cut (reset at both ends) and counted (``sbxnet_gateway_drain_cut_total{kind}``).
 """
 
 from __future__ import annotations
@@ -51,6 +60,18 @@ log = logging.getLogger("sbxnet.gateway")
 
 HELLO_PEEK = 65536  # bytes of ClientHello looked at; a longer one is read by the handshake as unreadable
 HELLO_POLL = 0.002  # peeked bytes keep the socket readable: wait this long for the rest of a split hello
+
+
+@dataclass
+class _Live:
+    """What a client connection is, for a drain: its kind so far, and its session once it has one."""
+
+    kind: str = "handshake"
+    session: H1Session | H2Session | None = None
+
+    @property
+    def now(self) -> str:
+        return self.session.kind if self.session is not None else self.kind
 
 
 @dataclass
@@ -96,6 +117,8 @@ class GatewayMetrics:
         self.rechecks = Counter("sbxnet_gateway_route_rechecks",
                                 "Routes looked up afresh after a failed connect", registry=r)
         self.cache = Counter("sbxnet_gateway_route_cache", "Route lookups by result", ["result"], registry=r)
+        self.drain_cut = Counter("sbxnet_gateway_drain_cut", "Connections still open at a drain's timeout, cut, "
+                                 "by kind (handshake, http/1.1, h2, upgrade, tcp)", ["kind"], registry=r)
 
 
 class GatewayServer:
@@ -107,6 +130,7 @@ class GatewayServer:
         self._acceptor = Acceptor(self._serve, max_connections=config.max_connections, log=log, name="gateway-accept")
         self._per_sandbox: dict[str, int] = {}
         self._draining = False
+        self._sessions: set[H1Session | H2Session] = set()  # HTTP sessions running, told when a drain starts
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -122,19 +146,28 @@ class GatewayServer:
     def open_connections(self) -> int:
         return self._acceptor.open_connections
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     async def start(self, listener: socket.socket) -> None:
         self._acceptor.start(listener)
 
     async def drain(self, timeout: float = 10.0) -> int:
-        """Stop accepting, let live connections finish up to ``timeout``, cut the rest; how many were cut."""
+        """Stop accepting; close idle HTTP connections in order and tell the others (``Connection: close``,
+        GOAWAY) to finish what is in flight and close; return as soon as every connection is gone, or at
+        ``timeout``, when the rest (upgrades and raw TCP among them) are cut and counted. How many were cut."""
         self._draining = True
         await self._acceptor.stop_accepting()
+        for session in list(self._sessions):
+            session.drain()
         return await self._acceptor.drain(timeout)
 
     # -- one connection ----------------------------------------------------------------------------
 
     async def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
         conn_id = secrets.token_hex(8)
+        live = _Live()
         self.metrics.connections.inc()
         try:
             sock.setblocking(False)
@@ -159,9 +192,18 @@ class GatewayServer:
                 self.metrics.handshake_failures.inc()
                 return
             try:
-                await self._dispatch(client, peer, conn_id)
+                await self._dispatch(client, peer, conn_id, live)
+            except asyncio.CancelledError:
+                client.abort()  # a drain's cut: reset, so the client cannot take what it got for the whole
+                raise
             finally:
                 client.close()
+        except asyncio.CancelledError:
+            if self._draining:
+                self.metrics.drain_cut.labels(live.now).inc()
+                log.info("cut at the drain's timeout", extra={"event": "drain_cut", "conn_id": conn_id,
+                                                               "fields": {"kind": live.now}})
+            raise
         except Exception:
             log.exception("internal error", extra={"event": "internal", "conn_id": conn_id})
         finally:
@@ -190,7 +232,7 @@ class GatewayServer:
             return front.client_cert_context(hello.server_name)
         return front.context
 
-    async def _dispatch(self, client: TlsStream, peer: tuple[str, int], conn_id: str) -> None:
+    async def _dispatch(self, client: TlsStream, peer: tuple[str, int], conn_id: str, live: _Live) -> None:
         names = self.config.names
         sni = self.config.front.server_name(client.ssl_object)
         bad_sni = False
@@ -212,12 +254,20 @@ class GatewayServer:
                 return
             decision = decide_connection(conn_name, route)
             if isinstance(decision, RawForward):
+                live.kind = "tcp"
                 await self._raw(client, decision, peer, conn_id)
                 return
+        session: H1Session | H2Session
         if client.ssl_object.selected_alpn_protocol() == "h2":
-            await H2Session(self, client, peer, conn_name, bad_sni, conn_id).run()
-            return
-        await H1Session(self, client, peer, conn_name, bad_sni, conn_id).run()
+            session = H2Session(self, client, peer, conn_name, bad_sni, conn_id)
+        else:
+            session = H1Session(self, client, peer, conn_name, bad_sni, conn_id)
+        live.session = session
+        self._sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self._sessions.discard(session)
 
     async def _raw(self, client: TlsStream, d: RawForward, peer: tuple[str, int], conn_id: str) -> None:
         if d.require_client_cert and not self.config.front.client_cert_verified(client.ssl_object):

@@ -1,4 +1,11 @@
-"""How the gateway ends connections, with real clients through a real forwarder.
+"""The gateway's drain (SIGTERM) and how it ends connections, with real clients through a real forwarder.
+
+Drain: an idle HTTP/1.1 keep-alive connection and an idle HTTP/2 connection are closed in order at once
+(close_notify, not a bare FIN); a request in flight is answered with ``Connection: close`` (curl); an
+HTTP/2 client gets GOAWAY (NO_ERROR, its last stream) at once, its stream in flight finishes (the h2
+library and curl), a stream opened after the GOAWAY is refused; the drain returns as soon as the last
+connection is gone. A WebSocket (the websockets library) and a raw TCP connection are not told: they run
+on until the drain's timeout and are then cut, reset at both ends and counted.
 
 Links: each sandbox app here records how its connection ended at its socket, FIN (``eof``) or ``reset``.
 After a complete exchange (a keep-alive session over HTTP/1.1, an HTTP/2 stream, an h2c connection) it
@@ -18,6 +25,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import h2.config
@@ -28,8 +36,10 @@ import h2.exceptions
 import h11
 import pytest
 from fwd_support import ForwarderThread, Pki, SandboxApp
-from gw_support import DOMAIN, GatewayThread, forwarder_settings, registration
+from gw_support import DOMAIN, GatewayThread, forwarder_settings, gateway_log, registration
 from test_raw_routes import live_fds, loop_tasks
+
+from gateway.http2 import goaway_frame
 
 CURL = shutil.which("curl")
 Codes = h2.errors.ErrorCodes
@@ -149,21 +159,64 @@ def h2c_app(conn: socket.socket, rec: dict[str, Any]) -> None:
         rec["end"] = "protocol_error"
 
 
+def ws_app(conn: socket.socket, rec: dict[str, Any]) -> None:
+    """A WebSocket program (websockets' server protocol over the socket): echoes text."""
+    from websockets.frames import Frame, Opcode
+    from websockets.http11 import Request
+    from websockets.server import ServerProtocol
+
+    proto = ServerProtocol()
+    rec["paths"].append("/ws")
+    while True:
+        try:
+            data = conn.recv(65536)
+        except ConnectionResetError:
+            rec["end"] = "reset"
+            return
+        if not data:
+            rec["end"] = "eof"
+            return
+        proto.receive_data(data)
+        for ev in proto.events_received():
+            if isinstance(ev, Request):
+                proto.send_response(proto.accept(ev))
+            elif isinstance(ev, Frame) and ev.opcode is Opcode.TEXT:
+                proto.send_text(ev.data)
+        try:
+            for out in proto.data_to_send():
+                if out:
+                    conn.sendall(out)
+        except (ConnectionResetError, BrokenPipeError):
+            rec["end"] = "reset"
+            return
+
+
+def tcp_echo(conn: socket.socket, rec: dict[str, Any]) -> None:
+    rec["paths"].append("tcp")
+    try:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+        rec["end"] = "eof"
+    except (ConnectionResetError, BrokenPipeError):
+        rec["end"] = "reset"
+
+
 # -- the stack ------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def backend(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     fwd = ForwarderThread(forwarder_settings(pki))
-    http, h2c = HttpApp(), Recorded(h2c_app)
+    http, h2c, ws, tcp = HttpApp(), Recorded(h2c_app), Recorded(ws_app), Recorded(tcp_echo)
     routes = tmp_path_factory.mktemp("drain-routes") / "routes.json"
     routes.write_text(json.dumps({"sandboxes": {
-        "rec": registration(pki, fwd.port, {http.port: ("http", "public"), h2c.port: ("h2c", "public")},
-                            default=http.port),
+        "rec": registration(pki, fwd.port, {http.port: ("http", "public"), h2c.port: ("h2c", "public"),
+                                            tcp.port: ("tcp", "public")}, default=http.port),
+        "ws": registration(pki, fwd.port, {ws.port: ("http", "public")}, default=ws.port),
     }}))
-    yield {"pki": pki, "fwd": fwd, "http": http, "h2c": h2c, "routes": routes}
+    yield {"pki": pki, "fwd": fwd, "http": http, "h2c": h2c, "ws": ws, "tcp": tcp, "routes": routes}
     fwd.stop()
-    for app in (http, h2c):
+    for app in (http, h2c, ws, tcp):
         app.app.close()
 
 
@@ -338,6 +391,180 @@ def http_app(backend: dict[str, Any]) -> HttpApp:
     return app
 
 
+# -- the drain: HTTP/1.1 and HTTP/2 ---------------------------------------------------------------------
+
+
+def test_idle_keep_alive_connections_are_closed_in_order_at_once(backend: dict[str, Any],
+                                                                 gateway: GatewayThread) -> None:
+    app = http_app(backend)
+    one = H1Client(gateway, backend["pki"], f"rec.{DOMAIN}")
+    status, headers, _ = one.get("/idle-h1")
+    assert status == 200 and b"connection" not in headers  # kept alive
+    two = H2Client(gateway, backend["pki"], f"rec.{DOMAIN}")
+    two.request(1, "/idle-h2")
+    two.until(lambda: two.st.get(1, {}).get("ended"))
+    assert two.status(1) == "200"
+
+    pending = drain(gateway, 20.0)
+    how_one, one_ended = how_it_ends(one.tls)
+    two.until(lambda: two.goaways)
+    assert two.goaways == [(1, Codes.NO_ERROR)]
+    how_two, two_ended = how_it_ends(two.tls)
+    one.tls.close()
+    two.tls.close()
+    cut, started, returned = pending.result(30)
+    print(f"idle h1 closed {one_ended - started:.3f} s, idle h2 {two_ended - started:.3f} s, "
+          f"drain returned {returned - started:.3f} s after it began")
+    assert (how_one, how_two) == ("close_notify", "close_notify")
+    assert cut == 0
+    assert one_ended - started < 2.0 and two_ended - started < 2.0  # not the 60 s idle timeout, nor the 20 s drain
+    assert returned - started < 3.0
+    # Their links were idle: closed in order, the app read a FIN on each.
+    assert app.ended("/idle-h1") == "eof"
+    assert app.ended("/idle-h2") == "eof"
+
+
+@pytest.mark.skipif(CURL is None, reason="curl is not installed (scripts/setup.sh installs it)")
+def test_an_http1_request_in_flight_is_answered_with_connection_close(backend: dict[str, Any],
+                                                                       gateway: GatewayThread,
+                                                                       tmp_path: Path) -> None:
+    app = http_app(backend)
+    assert CURL is not None
+    name = f"rec.{DOMAIN}"
+    head, body = tmp_path / "head", tmp_path / "body"
+    curl = subprocess.Popen([CURL, "-sS", "--http1.1", "--cacert", str(backend["pki"].ca_file), "--resolve",
+                             f"{name}:{gateway.port}:127.0.0.1", "-D", str(head), "-o", str(body),
+                             f"https://{name}:{gateway.port}/hold"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert app.holding.wait(20), "the request did not reach the app"
+        pending = drain(gateway, 20.0)
+        time.sleep(0.5)
+        assert not pending.done()  # the request in flight holds the drain
+        released = time.monotonic()
+        app.release.set()
+        _, err = curl.communicate(timeout=30)
+    finally:
+        if curl.poll() is None:
+            curl.kill()
+            curl.wait()
+    assert curl.returncode == 0, err
+    lines = head.read_text().lower().splitlines()
+    assert lines[0].startswith("http/1.1 200")
+    assert "connection: close" in lines
+    assert body.read_bytes() == b"released"
+    cut, _, returned = pending.result(30)
+    print(f"drain returned {returned - released:.3f} s after the app answered")
+    assert cut == 0
+    assert returned - released < 2.0  # as soon as that connection was gone
+    assert app.ended("/hold") == "eof"  # the link's exchange was complete: closed in order
+
+
+def test_http2_goaway_lets_the_stream_in_flight_finish_and_refuses_a_later_one(backend: dict[str, Any],
+                                                                               gateway: GatewayThread) -> None:
+    app = http_app(backend)
+    c = H2Client(gateway, backend["pki"], f"rec.{DOMAIN}")
+    c.request(1, "/hold")
+    assert app.holding.wait(20), "the request did not reach the app"
+    pending = drain(gateway, 20.0)
+    c.until(lambda: c.goaways)  # at once, while stream 1 is still held
+    assert c.goaways == [(1, Codes.NO_ERROR)]
+    assert not c.st.get(1, {}).get("ended")
+    c.request(3, "/after-goaway")  # a client that had not read the GOAWAY yet
+    c.until(lambda: "reset" in c.st.get(3, {}))
+    assert c.st[3]["reset"] == Codes.REFUSED_STREAM
+    assert gateway.sample("sbxnet_gateway_refusals_total", {"reason": "after_goaway"}) == 1
+    released = time.monotonic()
+    app.release.set()
+    c.until(lambda: c.st.get(1, {}).get("ended"))
+    assert c.status(1) == "200" and c.st[1]["body"] == b"released"
+    how, _ = how_it_ends(c.tls)
+    c.tls.close()
+    cut, _, returned = pending.result(30)
+    print(f"drain returned {returned - released:.3f} s after the app answered")
+    assert how == "close_notify"
+    assert cut == 0
+    assert returned - released < 2.0
+    assert "/after-goaway" not in app.served()
+    assert app.ended("/hold") == "eof"
+
+
+@pytest.mark.skipif(CURL is None, reason="curl is not installed (scripts/setup.sh installs it)")
+def test_curl_over_http2_finishes_its_stream_through_a_drain(backend: dict[str, Any], gateway: GatewayThread,
+                                                             tmp_path: Path) -> None:
+    app = http_app(backend)
+    assert CURL is not None
+    name = f"rec.{DOMAIN}"
+    curl = subprocess.Popen([CURL, "-sS", "--http2", "--cacert", str(backend["pki"].ca_file), "--resolve",
+                             f"{name}:{gateway.port}:127.0.0.1", "-w", "\n%{http_code} %{http_version}",
+                             f"https://{name}:{gateway.port}/hold"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert app.holding.wait(20), "the request did not reach the app"
+        pending = drain(gateway, 20.0)
+        time.sleep(0.3)
+        app.release.set()
+        out, err = curl.communicate(timeout=30)
+    finally:
+        if curl.poll() is None:
+            curl.kill()
+            curl.wait()
+    assert curl.returncode == 0, err
+    assert out == "released\n200 2"
+    cut, _, _ = pending.result(30)
+    assert cut == 0
+
+
+# -- the drain: upgrades and raw TCP ------------------------------------------------------------------------
+
+
+def test_a_websocket_and_a_raw_connection_run_until_the_drain_timeout_then_are_cut(
+    backend: dict[str, Any], gateway: GatewayThread
+) -> None:
+    """Not told in band (no close frame is injected into the WebSocket: the gateway does not read its
+    frames, docs/gateway.md), they go on working through the drain, and at its timeout both ends of each
+    are reset: the WebSocket client sees an abnormal closure (1006, no close frame), the apps a reset."""
+    from websockets.exceptions import ConnectionClosedError
+    from websockets.sync.client import connect
+
+    pki, tcp = backend["pki"], backend["tcp"]
+    ctx = ssl.create_default_context(cafile=str(pki.ca_file))
+    timeout = 2.0
+    with gateway_log(gateway) as log:
+        sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=10)
+        raw = tls_to(gateway, pki, f"{tcp.port}-rec.{DOMAIN}", None)
+        with raw, connect(f"wss://ws.{DOMAIN}:{gateway.port}/", sock=sock, ssl=ctx, server_hostname=f"ws.{DOMAIN}",
+                          proxy=None, open_timeout=10) as ws:
+            ws.send("before")
+            assert ws.recv(timeout=10) == "before"
+            raw.sendall(b"before")
+            assert raw.recv(64) == b"before"
+            pending = drain(gateway, timeout)
+            time.sleep(0.5)
+            ws.send("during")  # still served: nothing was said to either end
+            assert ws.recv(timeout=10) == "during"
+            raw.sendall(b"during")
+            assert raw.recv(64) == b"during"
+            with pytest.raises(ConnectionClosedError):
+                ws.recv(timeout=30)
+            ws_ended = time.monotonic()
+            how, _ = how_it_ends(raw)
+            cut, started, returned = pending.result(30)
+        cuts = sorted(line["kind"] for line in log.events("drain_cut"))
+        requests = log.events("request")
+    print(f"websocket ended {ws_ended - started:.3f} s into a {timeout} s drain; drain returned after "
+          f"{returned - started:.3f} s")
+    assert ws.protocol.close_rcvd is None and ws.close_code == 1006  # cut, no close frame
+    assert how == "reset"
+    assert cut == 2 and cuts == ["tcp", "upgrade"]
+    assert timeout - 0.1 < ws_ended - started < timeout + 5
+    assert timeout - 0.1 < returned - started < timeout + 5
+    assert gateway.sample("sbxnet_gateway_drain_cut_total", {"kind": "upgrade"}) == 1
+    assert gateway.sample("sbxnet_gateway_drain_cut_total", {"kind": "tcp"}) == 1
+    assert [(r["status"], r["reason"]) for r in requests] == [(101, "drain_cut")]
+    assert backend["ws"].ended("/ws") == "reset"
+    assert tcp.ended("tcp") == "reset"
+
+
 # -- links: closed in order after a complete exchange, reset when cut ------------------------------------
 
 
@@ -399,3 +626,25 @@ def test_an_h2c_link_ends_with_goaway_and_a_fin_when_the_client_leaves(backend: 
     rec = next(r for r in h2c.records if "/h2c-one" in r["paths"])
     assert rec["paths"] == ["/h2c-one", "/h2c-two"]  # one link for both streams
     assert rec["goaways"] == [Codes.NO_ERROR]
+
+
+# -- the GOAWAY frame the drain writes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("last", "code", "debug"), [(0, 0, b""), (1, 0, b""), (2**31 - 1, 0, b""),
+                                                     (12345, 2, b"draining"), (7, 0xFFFFFFFF, b"\x00")])
+def test_goaway_frame_parses_back_with_hyperframe(last: int, code: int, debug: bytes) -> None:
+    from hyperframe.frame import Frame, GoAwayFrame
+
+    data = goaway_frame(last, code, debug)
+    frame, length = Frame.parse_frame_header(memoryview(data[:9]))
+    assert isinstance(frame, GoAwayFrame) and length == len(data) - 9
+    frame.parse_body(memoryview(data[9:]))
+    assert (frame.stream_id, frame.flags, frame.last_stream_id, frame.error_code, frame.additional_data) == (
+        0, set(), last, code, debug)
+
+
+@pytest.mark.parametrize("last", [-1, 2**31])
+def test_goaway_frame_refuses_a_stream_id_out_of_range(last: int) -> None:
+    with pytest.raises(ValueError):
+        goaway_frame(last)
