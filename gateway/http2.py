@@ -52,7 +52,8 @@ REFUSED_STREAM, so it knows the stream was not processed and may retry it elsewh
 the connection is closed in order. h2 (4.4) cannot do this itself: after its own GOAWAY
 (``close_connection``) it sends nothing more and refuses every later frame (python-hyper/h2 issue 1181), so
 the streams in flight could not finish. The GOAWAY frame is therefore written here (``goaway_frame``),
-beside h2's bytes, and h2 goes on serving the streams it has.
+beside h2's bytes, and h2 goes on serving the streams it has. ``idle_timeout`` (no stream open, no byte
+from the client) ends a connection the same way; it is a timer, not a timeout on the read.
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class H2Session:
         self._ended = asyncio.Event()  # run() is ending: the closer need not wait for the client any more
         self._tasks: set[asyncio.Task[None]] = set()
         self._cut = False
+        self._idle: asyncio.TimerHandle | None = None  # idle_timeout, armed while no stream is open
+        self._last_read = 0.0  # loop time of the client's last bytes
 
     def drain(self) -> None:
         """The gateway drains: GOAWAY (NO_ERROR, the highest stream taken) now; the streams in flight finish,
@@ -179,6 +182,30 @@ class H2Session:
         if not self._started:
             self._drain_wanted = True  # run() sends it once our SETTINGS are out
             return
+        self._go_away()
+
+    def _arm_idle(self, delay: float | None = None) -> None:
+        if self._idle is None and self._last_stream is None:
+            loop = asyncio.get_running_loop()
+            self._idle = loop.call_later(self.gw.config.idle_timeout if delay is None else delay, self._idle_check)
+
+    def _idle_check(self) -> None:
+        """``idle_timeout`` with no stream open and no byte from the client: the connection goes away as at a
+        drain (GOAWAY, then closed in order). A timer, not a timeout on the read: the read may have begun
+        while a stream was open, and a read cut short by a timeout can lose what it had just received."""
+        self._idle = None
+        if self._last_stream is not None or self._gone or self._active():
+            return  # going away already, gone, or a stream is open (its end arms the timer again)
+        left = self._last_read + self.gw.config.idle_timeout - asyncio.get_running_loop().time()
+        if left > 0:
+            self._arm_idle(left)
+            return
+        self.gw.metrics.refusals.labels("idle_timeout").inc()
+        self._go_away()
+
+    def _go_away(self) -> None:
+        """GOAWAY (NO_ERROR, the highest stream taken) now; later streams are refused; the connection is
+        closed in order once no stream is left."""
         if self._last_stream is not None:
             return
         self._last_stream = self.h2.highest_inbound_stream_id
@@ -244,6 +271,7 @@ class H2Session:
 
     async def run(self) -> None:
         cfg = self.gw.config
+        loop = asyncio.get_running_loop()
         self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
@@ -258,11 +286,13 @@ class H2Session:
                 self.drain()
             first = True
             while True:
-                timeout = cfg.header_timeout if first else (None if self._active() else cfg.idle_timeout)
                 try:
-                    data = await asyncio.wait_for(self.client.read(), timeout)
+                    if first:
+                        data = await asyncio.wait_for(self.client.read(), cfg.header_timeout)
+                    else:
+                        data = await self.client.read()  # idle_timeout: ``_idle_check``
                 except TimeoutError:
-                    self.gw.metrics.refusals.labels("header_timeout" if first else "idle_timeout").inc()
+                    self.gw.metrics.refusals.labels("header_timeout").inc()
                     self._close_connection()
                     await self._flush()
                     return
@@ -271,6 +301,7 @@ class H2Session:
                 first = False
                 if not data:
                     return
+                self._last_read = loop.time()
                 if not self._guard.feed(data, self.h2.max_inbound_frame_size):
                     self.gw.metrics.refusals.labels("frame_too_large").inc()
                     self._close_connection(h2.errors.ErrorCodes.FRAME_SIZE_ERROR)
@@ -287,6 +318,8 @@ class H2Session:
                 ended = False
                 for ev in events:
                     ended = self._event(ev) or ended
+                if self._idle is None and not self._active():
+                    self._arm_idle()
                 await self._flush()
                 if ended:
                     await self._wait_streams()
@@ -298,6 +331,8 @@ class H2Session:
             raise
         finally:
             self._ended.set()
+            if self._idle is not None:
+                self._idle.cancel()
             for st in list(self.streams.values()):
                 if st.task is not None:
                     st.task.cancel()
@@ -363,7 +398,8 @@ class H2Session:
         return False
 
     def _refuse(self, ev: h2.events.RequestReceived) -> None:
-        """A stream opened after the drain's GOAWAY: not processed, reset REFUSED_STREAM (RFC 9113 8.7)."""
+        """A stream opened after our GOAWAY (a drain's, idle_timeout's): not processed, reset REFUSED_STREAM
+        (RFC 9113 8.7)."""
         rec = RequestLog("h2", self.conn_id, time.monotonic(), reason="after_goaway")
         rec.set_method(next((v for n, v in ev.headers if n == b":method"), b""))
         rec.emit()
@@ -397,6 +433,8 @@ class H2Session:
                 if isinstance(item, tuple):
                     self._ack(item[1], st.id)
             self.streams.pop(st.id, None)
+            if not self._active():
+                self._arm_idle()
             self._close_if_drained()
 
     def _reset(self, st: _Stream, code: h2.errors.ErrorCodes | int) -> None:

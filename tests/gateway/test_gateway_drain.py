@@ -628,6 +628,27 @@ def test_an_h2c_link_ends_with_goaway_and_a_fin_when_the_client_leaves(backend: 
     assert rec["goaways"] == [Codes.NO_ERROR]
 
 
+def test_idle_timeout_closes_in_order_too(backend: dict[str, Any]) -> None:
+    gw = GatewayThread(backend["pki"], backend["routes"], idle_timeout=0.5)
+    try:
+        one = H1Client(gw, backend["pki"], f"rec.{DOMAIN}")
+        assert one.get("/idle-timeout-h1")[0] == 200
+        two = H2Client(gw, backend["pki"], f"rec.{DOMAIN}")
+        two.request(1, "/idle-timeout-h2")
+        two.until(lambda: two.st.get(1, {}).get("ended"))
+        t0 = time.monotonic()
+        how_one, one_ended = how_it_ends(one.tls)
+        two.until(lambda: two.goaways)
+        how_two, two_ended = how_it_ends(two.tls)
+        one.tls.close()
+        two.tls.close()
+    finally:
+        gw.stop()
+    assert (how_one, how_two) == ("close_notify", "close_notify")
+    assert two.goaways == [(1, Codes.NO_ERROR)]
+    assert one_ended - t0 < 5 and two_ended - t0 < 5
+
+
 # -- the GOAWAY frame the drain writes ---------------------------------------------------------------------
 
 
