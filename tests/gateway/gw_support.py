@@ -118,7 +118,7 @@ class EchoHttp(http.server.ThreadingHTTPServer):
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a link the gateway aborted (its client left) is not the app's error to print
+        pass  # a link the gateway reset (its client vanished mid-exchange) is not the app's error to print
 
     def stop(self) -> None:
         self.shutdown()

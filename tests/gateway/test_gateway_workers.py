@@ -44,8 +44,8 @@ class HeldApp(http.server.ThreadingHTTPServer):
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # The gateway aborts a link when its client's connection ends, and the forwarder passes that on as
-        # a reset: the keep-alive read after the answer fails. Not this program's error to print.
+        # A link the gateway resets (its client vanished mid-exchange, or the drain cut it) reaches the app
+        # as a reset: the keep-alive read fails. Not this program's error to print.
         pass
 
     def stop(self) -> None:
