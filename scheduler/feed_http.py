@@ -35,12 +35,11 @@ from typing import Any
 from aiohttp import web
 
 from sbxnet.errors import ConfigError
-from sbxnet.protocol.feed import MAX_BODY_BYTES, FeedError, pull_batch, push_answer
+from sbxnet.protocol.feed import MAX_BODY_BYTES, MAX_STREAM, FeedError, pull_batch, push_answer
 from scheduler.store import CoreAhead, Store, StoreError, ingest_batch, load_core
 from scheduler.timers import Event, TimerCore
 
 FEED_PATH = "/v1/feed"
-MAX_STREAM = 1023
 _STREAM_RE = re.compile(r"0|[1-9][0-9]{0,3}", re.ASCII)
 
 

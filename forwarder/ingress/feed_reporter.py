@@ -50,12 +50,11 @@ from forwarder.ingress.feed_outbox import Outbox
 from forwarder.ingress.metering import Meter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.settings import ForwarderSettings
-from sbxnet.protocol.feed import MAX_ANSWER_BYTES, Answer, Batch, FeedError, new_epoch, pull_answer
+from sbxnet.protocol.feed import MAX_ANSWER_BYTES, MAX_STREAM, Answer, Batch, FeedError, new_epoch, pull_answer
 
 log = logging.getLogger("sbxnet.forwarder")
 T = TypeVar("T")
 
-MAX_STREAM = 1023  # the scheduler's bound on ?stream= (docs/scheduler-api.md, "The idle feed")
 FINAL_ATTEMPTS = 4  # at stop: the batch in flight, what the drain added, and room for one 409's resend
 ANSWERED = ("ok", "replay", "gap", "stale_epoch", "mismatch")  # results with an answer from the scheduler
 

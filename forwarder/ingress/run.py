@@ -48,7 +48,8 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
         print(f"forwarder: cannot load the TLS material ({e}); check cert_file, key_file and ca_file", file=sys.stderr)
         return 2
     if settings.feed_url is not None:
-        from forwarder.ingress.feed_reporter import MAX_STREAM, feed_ssl_context
+        from forwarder.ingress.feed_reporter import feed_ssl_context
+        from sbxnet.protocol.feed import MAX_STREAM
 
         try:
             feed_ssl_context(settings)

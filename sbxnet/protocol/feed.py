@@ -100,6 +100,7 @@ MAX_SANDBOXES = 100_000
 # float); 100,000 of them fit in 20 MB. The bound leaves room for a peer that adds whitespace.
 MAX_BODY_BYTES = 32 * 1024 * 1024
 MAX_ANSWER_BYTES = 4096
+MAX_STREAM = 1023  # the highest ?stream= of POST /v1/feed: one stream per forwarder worker
 
 ERROR_REPLAY = "replay"
 ERROR_GAP = "gap"
