@@ -103,22 +103,31 @@ class Meter:
         seeing them. After the take, a sandbox with no open connection is forgotten."""
         out: dict[str, SandboxDelta] = {}
         reported = self._reported
-        for sid in self._live.keys() | self._pending.keys():
-            p = self._pending.get(sid)
-            live = self._live.get(sid, ())
-            up = (p.up if p else 0) + sum(m.up - m._taken_up for m in live)
-            down = (p.down if p else 0) + sum(m.down - m._taken_down for m in live)
-            if p is None and up == 0 and down == 0 and (
-                    refresh_s is None or now - reported.get(sid, now) < refresh_s):
-                continue
+        pending = self._pending
+        # One pass over the live sandboxes (most of them, at scale: one plain loop, no generators), then
+        # the sandboxes whose last connection closed since the previous take.
+        for sid, live in self._live.items():
+            p = pending.pop(sid, None)
+            up = down = 0
+            last = 0.0 if p is None else p.last_activity
             for m in live:
-                m._taken_up, m._taken_down = m.up, m.down
-            last = max([p.last_activity if p else 0.0, *(m.last_activity for m in live)])
+                du, dd = m.up - m._taken_up, m.down - m._taken_down
+                if du or dd:
+                    up += du
+                    down += dd
+                    m._taken_up, m._taken_down = m.up, m.down
+                if m.last_activity > last:
+                    last = m.last_activity
+            if p is not None:
+                up += p.up
+                down += p.down
+            elif not up and not down and (refresh_s is None or now - reported.get(sid, now) < refresh_s):
+                continue
             out[sid] = SandboxDelta(up, down, len(live), last, max(0.0, now - last))
-            if live:
-                reported[sid] = now
-            else:
-                reported.pop(sid, None)
+            reported[sid] = now
+        for sid, p in pending.items():
+            out[sid] = SandboxDelta(p.up, p.down, 0, p.last_activity, max(0.0, now - p.last_activity))
+            reported.pop(sid, None)
         self._pending.clear()
         return out
 
