@@ -98,6 +98,9 @@ class GatewayThread:
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.drain(1.0), self.loop).result(30)
+        close = getattr(self.server.config.routes, "close", None)  # the scheduler's client: its session
+        if close is not None:
+            asyncio.run_coroutine_threadsafe(close(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         self.loop.close()
