@@ -464,6 +464,15 @@ class H2Session:
         else:
             await self._proxy(st, method, d)
 
+    async def _upstream_broke(self, st: _Stream, responded: bool) -> None:
+        """The app's side failed: a stream already answered is reset, one not yet answered gets a 502."""
+        if responded:
+            st.rec.reason = "upstream_broken"
+            self._reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            await self._flush()
+        else:
+            await self.answer(st, 502, "the sandbox's app broke the connection", reason="upstream_broken")
+
     async def answer(self, st: _Stream, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None,
                      *, reason: str = "") -> None:
         body = (message + "\n").encode()
@@ -581,18 +590,10 @@ class H2Session:
                     raise ConnectionResetError("the sandbox closed before its response ended")
         except (OSError, h11.ProtocolError) as e:
             log.debug("stream %d upstream failed: %r", st.id, e)
-            if responded:
-                st.rec.reason = "upstream_broken"
-                self._reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
-                await self._flush()
-            else:
-                await self.answer(st, 502, "the sandbox's app broke the connection", reason="upstream_broken")
+            await self._upstream_broke(st, responded)
             return
         finally:
-            if not body_task.done():
-                body_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await body_task
+            await _stopped(body_task)
         if not st.done and self._remote_open(st):
             # The response is whole but the client is still sending: it need not (RFC 9113 8.1).
             self._reset(st, h2.errors.ErrorCodes.NO_ERROR)
@@ -685,9 +686,7 @@ class H2Session:
         self._h2c.clear()
         for link in links:
             if link.opening is not None:
-                link.opening.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await link.opening
+                await _stopped(link.opening)
             if link.conn is not None:
                 await self._end_h2c(link, link.conn)
             self._drop_h2c(link)
@@ -732,7 +731,7 @@ class H2Session:
                 break
             break
         if up is None:
-            await self.answer(st, 502, "the sandbox's app broke the connection", reason="upstream_broken")
+            await self._upstream_broke(st, responded=False)
             return
         try:
             await self._exchange_h2c(st, up)
@@ -791,18 +790,11 @@ class H2Session:
                         st.rec.reason = "upstream_refused_stream"
                         self._reset(st, h2.errors.ErrorCodes.REFUSED_STREAM)
                         await self._flush()
-                    elif responded:
-                        st.rec.reason = "upstream_broken"
-                        self._reset(st, h2.errors.ErrorCodes.INTERNAL_ERROR)
-                        await self._flush()
                     else:
-                        await self.answer(st, 502, "the sandbox's app broke the connection", reason="upstream_broken")
+                        await self._upstream_broke(st, responded)
                     return
         finally:
-            if not pump.done():
-                pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pump
+            await _stopped(pump)
         if not st.done and self._remote_open(st):
             # The response is whole but the client is still sending: it need not (RFC 9113 8.1); nor the app.
             self._reset(st, h2.errors.ErrorCodes.NO_ERROR)
@@ -902,3 +894,11 @@ def _error_code(code: int) -> h2.errors.ErrorCodes | int:
         return h2.errors.ErrorCodes(code)
     except ValueError:
         return code  # an unknown code passes as it came (RFC 9113 7: unknown codes are not errors)
+
+
+async def _stopped(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` if it still runs and wait for it; how it ended is its own business."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
