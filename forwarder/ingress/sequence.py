@@ -1,9 +1,11 @@
 """The forwarder's steps for one connection, from accept to the data plane.
 
-TLS handshake within ``handshake_timeout``; the peer's SAN against the allowlist; the preamble within
-``preamble_timeout`` and ``preamble_max_bytes`` (``sbxnet.protocol.link.ForwarderSequence``); the
-target guard; connect with cold-start retry; one OK status; then the data plane. Nothing reaches a
-sandbox before the peer is authenticated and the preamble is whole and allowed.
+TLS handshake within ``handshake_timeout``; the peer's SAN against the allowlist; the preamble's first
+byte within ``preamble_idle_timeout`` (a gateway's warm pool holds links before it has requests for
+them), the whole preamble within ``preamble_timeout`` of that byte and ``preamble_max_bytes``
+(``sbxnet.protocol.link.ForwarderSequence``); the target guard; connect with cold-start retry; one OK
+status; then the data plane. Nothing reaches a sandbox before the peer is authenticated and the
+preamble is whole and allowed.
 
 Each step either returns what the next one needs or raises ``Refusal``, which carries everything the
 one handler (``ConnectionSequence._refuse``) does with it: the outcome counted in
@@ -132,10 +134,13 @@ class ConnectionSequence:
     async def _read_preamble(self, link: TlsLink) -> Opened:
         s = self.settings
         loop = asyncio.get_running_loop()
-        seq = ForwarderSequence(now=loop.time(), timeout=s.preamble_timeout, max_len=s.preamble_max_bytes)
+        seq = ForwarderSequence(
+            now=loop.time(), timeout=s.preamble_timeout, max_len=s.preamble_max_bytes,
+            idle_timeout=s.preamble_idle_timeout,
+        )
         try:
             try:
-                async with asyncio.timeout_at(seq.deadline):
+                async with asyncio.timeout_at(seq.deadline) as deadline:
                     while True:
                         record = await link.read_app_record()
                         if not record:
@@ -143,6 +148,7 @@ class ConnectionSequence:
                         opened = seq.receive_data(record, loop.time())
                         if opened is not None:
                             return opened
+                        deadline.reschedule(seq.deadline)  # the first byte starts the preamble's own
             except TimeoutError:
                 seq.expire()
             except ssl.SSLError as e:

@@ -39,7 +39,10 @@ class ForwarderSettings(BaseSettings):
     )
 
     preamble_max_bytes: int = Field(512, ge=32, le=4096)
-    preamble_timeout: float = Field(2.0, gt=0, le=60)
+    preamble_timeout: float = Field(2.0, gt=0, le=60, description="from the preamble's first byte to its last")
+    preamble_idle_timeout: float = Field(
+        30.0, gt=0, le=3600, description="a handshaken link's wait for its first byte (a gateway's warm pool)"
+    )
     handshake_timeout: float = Field(5.0, gt=0, le=60)
     connect_deadline: float = Field(10.0, gt=0, le=300)
     connect_syn_interval: float = Field(SYN_INTERVAL_S, gt=0, le=5, description="fresh SYN after this long unanswered")

@@ -47,10 +47,17 @@ class Answered:
 class ForwarderSequence:
     """The forwarder's side: read the preamble (bounded in bytes and time), then answer once."""
 
-    def __init__(self, *, now: float, timeout: float, max_len: int = DEFAULT_MAX_LEN) -> None:
+    def __init__(
+        self, *, now: float, timeout: float, max_len: int = DEFAULT_MAX_LEN, idle_timeout: float | None = None
+    ) -> None:
         self.timeout = timeout
+        self.idle_timeout = idle_timeout
         self.max_len = max_len
-        self.deadline = now + timeout
+        # A gateway's warm pool opens links before it has a request for them: such a link may wait up
+        # to ``idle_timeout`` for its first byte, and the preamble then has ``timeout`` from that byte.
+        # Without one, ``timeout`` runs from now, as it always did.
+        self.deadline = now + (timeout if idle_timeout is None else idle_timeout)
+        self._started = False
         self._buf = bytearray()
         self._opened: Opened | None = None
         self._answered: Status | None = None
@@ -71,6 +78,10 @@ class ForwarderSequence:
             raise LocalProtocolError("preamble_done", "tenant bytes go to the data plane")
         if now > self.deadline:
             self.expire()
+        if data and not self._started:
+            self._started = True
+            if self.idle_timeout is not None:
+                self.deadline = now + self.timeout
         self._buf += data
         parsed = pull_preamble(self._buf, max_len=self.max_len)
         if parsed is None:
@@ -85,7 +96,10 @@ class ForwarderSequence:
         raise PreambleError("eof", f"after {len(self._buf)} bytes")
 
     def expire(self) -> NoReturn:
-        """The adapter's wait for more bytes ran past ``deadline``."""
+        """The adapter's wait for more bytes ran past ``deadline``: ``idle`` when not one byte came
+        within ``idle_timeout`` (a pooled link nobody used), ``timeout`` otherwise."""
+        if not self._started and self.idle_timeout is not None:
+            raise PreambleError("idle", f"no byte in {self.idle_timeout}s")
         raise PreambleError("timeout", f"{len(self._buf)} bytes in {self.timeout}s")
 
     def answer(self, status: Status) -> bytes:

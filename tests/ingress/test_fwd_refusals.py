@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -117,6 +118,45 @@ def test_preamble_dripped_one_byte_per_second_is_cut_at_the_timeout(forwarder: F
     assert 1.8 < elapsed < 3.5
     forwarder.wait_idle()
     assert forwarder.sample("sbxnet_forwarder_preamble_rejects_total", {"reason": "timeout"}) == 1
+    assert app.accepted == 0
+
+
+def _echo_once(conn: socket.socket) -> None:
+    conn.sendall(conn.recv(100))
+
+
+def test_a_pooled_link_waits_past_the_preamble_timeout_for_its_first_byte(
+    make_forwarder: MakeForwarder, pki: Pki
+) -> None:
+    """The warm pool's case: handshaken now, used later. The preamble timeout runs from the first byte."""
+    fwd = make_forwarder(preamble_timeout=0.3, preamble_idle_timeout=20.0)
+    app = SandboxApp(_echo_once)
+    client = GwClient(fwd.port, pki.client_ctx())
+    client.handshake()
+    time.sleep(1.0)  # more than three preamble timeouts, well inside the idle one
+    client.send_preamble(preamble_for(app.port))
+    assert client.open_status() is Status.OK
+    client.send(b"ping")
+    assert client.recv_exact(4) == b"ping"
+    client.close()
+    fwd.wait_idle()
+    assert fwd.sample("sbxnet_forwarder_preamble_rejects_total", {"reason": "timeout"}) == 0
+
+
+def test_a_link_with_no_first_byte_is_closed_at_the_idle_timeout(make_forwarder: MakeForwarder, pki: Pki) -> None:
+    fwd = make_forwarder(preamble_timeout=5.0, preamble_idle_timeout=0.5)
+    app = SandboxApp(_never)
+    client = GwClient(fwd.port, pki.client_ctx())
+    client.handshake()
+    t0 = time.monotonic()
+    client.sock.settimeout(10)
+    while client.fill():  # the session tickets, then the answer and the end of the link
+        pass
+    elapsed = time.monotonic() - t0
+    assert bytes(client.plain[:4]) == b"SX\x01\x03"  # BAD_PREAMBLE: the gateway hears why
+    assert 0.4 < elapsed < 4.0  # cut at the idle timeout, not the 5 s preamble timeout
+    fwd.wait_idle()
+    assert fwd.sample("sbxnet_forwarder_preamble_rejects_total", {"reason": "idle"}) == 1
     assert app.accepted == 0
 
 

@@ -126,6 +126,34 @@ def test_preamble_deadline_comes_from_the_now_passed_in() -> None:
     assert "5 bytes in 2.0s" in e.value.detail
 
 
+def test_an_idle_timeout_waits_for_the_first_byte_then_the_preamble_timeout_runs_from_it() -> None:
+    fw = ForwarderSequence(now=T0, timeout=2.0, idle_timeout=30.0)
+    assert fw.deadline == T0 + 30.0  # a pooled link may wait this long for its first byte
+    wire = push_preamble(P)
+    assert fw.receive_data(b"", T0 + 29.0) is None  # an empty read is not a first byte
+    assert fw.deadline == T0 + 30.0
+    assert fw.receive_data(wire[:5], T0 + 29.0) is None
+    assert fw.deadline == T0 + 31.0  # from the first byte, not from the handshake
+    assert fw.receive_data(wire[5:9], T0 + 30.5) is None  # past the idle deadline: the preamble's runs
+    with pytest.raises(PreambleError) as e:
+        fw.receive_data(wire[9:], T0 + 31.0001)
+    assert (e.value.reason, e.value.detail) == ("timeout", "9 bytes in 2.0s")
+
+
+def test_a_link_that_never_sends_a_byte_expires_as_idle() -> None:
+    fw = ForwarderSequence(now=T0, timeout=2.0, idle_timeout=30.0)
+    with pytest.raises(PreambleError) as e:
+        fw.receive_data(push_preamble(P), T0 + 30.0001)
+    assert (e.value.reason, e.value.detail) == ("idle", "no byte in 30.0s")
+    with pytest.raises(PreambleError) as e:
+        ForwarderSequence(now=T0, timeout=2.0, idle_timeout=30.0).expire()
+    assert e.value.reason == "idle"
+    # Without an idle timeout nothing changes: the preamble timeout runs from construction.
+    with pytest.raises(PreambleError) as e:
+        ForwarderSequence(now=T0, timeout=2.0).expire()
+    assert e.value.reason == "timeout"
+
+
 def test_expire_and_eof_name_what_had_arrived() -> None:
     fw = ForwarderSequence(now=T0, timeout=0.5)
     fw.receive_data(push_preamble(P)[:7], T0)
