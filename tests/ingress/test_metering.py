@@ -123,8 +123,7 @@ def test_memory_is_bounded_by_active_sandboxes() -> None:
             moved(m, 1, 1, 1.0)
             meter.close(m)
         assert len(meter.take_deltas(2.0)) == 100
-    assert meter._live == {}
-    assert meter._pending == {}
+    assert meter._sandboxes == {}
     assert meter.totals() == (2000, 2000)
 
 
@@ -177,13 +176,15 @@ def test_sum_of_all_takes_is_every_byte_metered(ops: list[tuple[str, int, int, i
             take()
         assert meter.totals() == (sum(m[0] for m in metered.values()), sum(m[1] for m in metered.values()))
         live_sandboxes = {c.sandbox_id for i, c in enumerate(conns) if i not in closed}
-        assert set(meter._live) == live_sandboxes  # nothing kept for closed-and-taken sandboxes
+        # Nothing kept for closed-and-taken sandboxes (the others are touched: the next take reports them).
+        assert {sid for sid, s in meter._sandboxes.items() if s.conns} == live_sandboxes
+        assert all(s.touched for s in meter._sandboxes.values() if not s.conns)
     for i, c in enumerate(conns):
         meter.close(c)
         closed.add(i)
     take()
     assert {s: v for s, v in taken.items() if v != [0, 0]} == {s: v for s, v in metered.items() if v != [0, 0]}
-    assert meter._live == {} and meter._pending == {}
+    assert meter._sandboxes == {}
     assert meter.take_deltas(now) == {}
 
 
@@ -202,4 +203,4 @@ def test_open_silent_connections_are_reported_again_every_refresh() -> None:
     meter.close(m)
     assert meter.take_deltas(14.0, refresh_s=10.0) == {"sbx-a": SandboxDelta(0, 0, 0, 1.0, 13.0)}
     assert meter.take_deltas(30.0, refresh_s=10.0) == {}  # forgotten: nothing open
-    assert meter._reported == {}  # bounded by the live sandboxes
+    assert meter._sandboxes == {}  # bounded by the live sandboxes
