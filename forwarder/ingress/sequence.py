@@ -31,7 +31,7 @@ from forwarder.ingress.san_acl import SanAllowlist, peer_sans
 from forwarder.ingress.settings import ForwarderSettings
 from forwarder.ingress.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
 from forwarder.ingress.tls_context import handshake_failure_reason
-from forwarder.ingress.tls_link import TlsLink
+from forwarder.ingress.tls_link import LinkClosed, TlsLink
 from sbxnet.connect import connect_with_retry
 from sbxnet.errors import RemoteProtocolError
 from sbxnet.protocol.link import ForwarderSequence, Opened
@@ -151,6 +151,11 @@ class ConnectionSequence:
                         deadline.reschedule(seq.deadline)  # the first byte starts the preamble's own
             except TimeoutError:
                 seq.expire()
+            except LinkClosed:  # a TCP FIN: ``unused`` before the first byte, ``eof`` after
+                try:
+                    seq.receive_eof()
+                except PreambleError as e:  # the peer is gone: no status, the link is reset
+                    raise self._preamble_refusal(e, status=None) from None
             except ssl.SSLError as e:
                 raise RemoteProtocolError("tls_error", e.reason or "") from None
             except OSError as e:
@@ -278,7 +283,10 @@ class ConnectionSequence:
         extra: dict[str, Any] = {**ctx, "event": r.event, "reason": r.reason}
         if r.fields:
             extra["fields"] = r.fields
-        log.warning(r.message, extra=extra)
+        # A link that ended or idled out before its first byte is a gateway's warm pool at work (or its
+        # pin check refusing us, which the gateway logs): counted, but not worth a warning each time.
+        quiet = r.counted == "preamble" and r.reason in ("unused", "idle")
+        log.log(logging.INFO if quiet else logging.WARNING, r.message, extra=extra)
         if r.status is not None:
             await self._finish(link, r.status)
         elif r.reset:

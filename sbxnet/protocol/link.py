@@ -92,7 +92,10 @@ class ForwarderSequence:
         return self._opened
 
     def receive_eof(self) -> NoReturn:
-        """The gateway ended the stream (or the link broke) before the preamble was whole."""
+        """The gateway ended the stream (or the link broke) before the preamble was whole: ``unused``
+        before its first byte (a pooled link retired, or a gateway that refused our key), ``eof`` after."""
+        if not self._started:
+            raise PreambleError("unused", "closed before the preamble's first byte")
         raise PreambleError("eof", f"after {len(self._buf)} bytes")
 
     def expire(self) -> NoReturn:

@@ -48,4 +48,4 @@ def test_another_key_is_refused_before_any_preamble_byte(forwarder: ForwarderThr
     forwarder.wait_idle()
     assert app.accepted == 0
     # The forwarder saw a finished handshake and then nothing: the link ended before a preamble.
-    assert forwarder.sample("sbxnet_forwarder_preamble_rejects_total", {"reason": "eof"}) == 1
+    assert forwarder.sample("sbxnet_forwarder_preamble_rejects_total", {"reason": "unused"}) == 1

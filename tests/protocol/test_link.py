@@ -163,6 +163,9 @@ def test_expire_and_eof_name_what_had_arrived() -> None:
     with pytest.raises(PreambleError) as e:
         fw.receive_eof()
     assert (e.value.reason, e.value.detail) == ("eof", "after 7 bytes")
+    with pytest.raises(PreambleError) as e:
+        ForwarderSequence(now=T0, timeout=0.5).receive_eof()  # not one byte: a link nobody used
+    assert e.value.reason == "unused"
 
 
 def test_the_length_bound_is_the_forwarders() -> None:
