@@ -153,6 +153,30 @@ class TlsStream:
             if self._outgoing.pending:
                 await self._flush()
 
+    def usable_idle(self) -> bool:
+        """For a stream kept open with nothing sent on it yet (the gateway's warm pool): take, without
+        waiting, whatever the peer sent meanwhile (session tickets are consumed; anything OpenSSL answers
+        goes out with the next write) and say whether the stream is still fit to use: open, no end of
+        stream, no error, and no plaintext (a peer that speaks before being asked is not one to use).
+        Not while a ``read`` is waiting: the two would race for the socket's bytes."""
+        if self._closed or self.eof is not None or self._rx_error is not None:
+            return False
+        while True:
+            try:
+                data = self.sock.recv(RECV_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self._rx_error = e
+                return False
+            if not data:
+                self.eof = "tcp_eof"
+                self._incoming.write_eof()
+                break
+            self._incoming.write(data)
+        self._drain()
+        return self.eof is None and self._rx_error is None and not self._plain
+
     def _drain(self) -> None:
         """Decrypt every complete record in the incoming BIO into ``_plain``."""
         if self.eof is not None or self._rx_error is not None:

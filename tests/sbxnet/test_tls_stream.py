@@ -419,3 +419,43 @@ def test_data_right_behind_the_clients_finished_is_read_without_more_bytes(run: 
             b.close()
 
     run(main())
+
+
+def test_usable_idle_takes_session_tickets_and_sees_every_way_a_stream_goes_bad(
+    run: Loop, ctxs: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """What the gateway's warm pool asks of a link it kept: still fit to send a first byte on?"""
+
+    async def main() -> None:
+        srv, cli = await _pair(*ctxs)
+        await asyncio.sleep(0.05)  # a TLS 1.3 server's session tickets are waiting on the client's socket
+        assert cli.usable_idle()
+        assert cli.usable_idle()  # asking again changes nothing
+        # The stream still works both ways after the tickets were taken without a read.
+        await cli.write(b"first byte")
+        assert await srv.read() == b"first byte"
+        await srv.write(b"answer")
+        assert await cli.read() == b"answer"
+        # The peer speaks before being asked: not fit (and what it said is not lost to a later read).
+        await srv.write(b"unasked")
+        await asyncio.sleep(0.05)
+        assert not cli.usable_idle()
+        assert await cli.read() == b"unasked"
+        srv.close()
+        cli.close()
+
+        for end in ("close_notify", "fin", "reset"):
+            srv, cli = await _pair(*ctxs)
+            if end == "close_notify":
+                await srv.write_eof()
+            elif end == "fin":
+                srv.sock.shutdown(socket.SHUT_WR)
+            else:
+                srv.abort()
+            await asyncio.sleep(0.05)
+            assert not cli.usable_idle(), end
+            srv.close()
+            cli.close()
+            assert not cli.usable_idle()  # a closed stream is never fit
+
+    run(main())
