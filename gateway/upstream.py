@@ -152,17 +152,23 @@ async def open_upstream(
 async def _attempt(
     sock: socket.socket, route: Route, wire: bytes, policy: UpstreamPolicy, now: float
 ) -> tuple[TlsStream, bytes]:
-    loop = asyncio.get_running_loop()
     try:
         stream = await TlsStream.connect(sock, policy.context, server_hostname=None, timeout=policy.handshake_timeout)
     except (ssl.SSLError, OSError, TimeoutError) as e:
         _close_raw(sock)
         raise _Retry("handshake_failed") from e
     try:
-        try:
-            check_pin(stream.ssl_object, {route.forwarder.spki_pin})
-        except PinMismatch:
-            raise _Retry("pin_mismatch") from None
+        check_pin(stream.ssl_object, {route.forwarder.spki_pin})
+    except PinMismatch:
+        stream.abort()
+        raise _Retry("pin_mismatch") from None
+    return await _exchange(stream, wire, policy, now)
+
+
+async def _exchange(stream: TlsStream, wire: bytes, policy: UpstreamPolicy, now: float) -> tuple[TlsStream, bytes]:
+    """The preamble and the forwarder's status on a handshaken, pin-checked link."""
+    loop = asyncio.get_running_loop()
+    try:
         seq = GatewaySequence(wire, now=now, timeout=policy.status_timeout)
         await stream.write(seq.start())
         answer = None
