@@ -31,7 +31,7 @@ from forwarder.ingress.san_acl import SanAllowlist, peer_sans
 from forwarder.ingress.settings import ForwarderSettings
 from forwarder.ingress.target_guard import TargetPolicy, TargetRefused, canonical, judge_target
 from forwarder.ingress.tls_context import handshake_failure_reason
-from forwarder.ingress.tls_link import LinkClosed, TlsLink
+from forwarder.ingress.tls_link import LinkClosed, NotTls, TlsLink
 from sbxnet.connect import connect_with_retry
 from sbxnet.errors import RemoteProtocolError
 from sbxnet.protocol.link import ForwarderSequence, Opened
@@ -104,16 +104,23 @@ class ConnectionSequence:
     # -- the steps ---------------------------------------------------------------------------------
 
     async def _handshake(self, link: TlsLink) -> None:
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.settings.handshake_timeout):
                 await link.handshake()
         except (ssl.SSLError, OSError, TimeoutError, RemoteProtocolError) as e:
+            # How long the refusal took, on our clock; and for clear text, its first bytes (hex, at
+            # most 5: enough to tell a PROXY header or an HTTP request from noise, never raw peer text).
+            fields: dict[str, Any] = {"handshake_ms": round((time.monotonic() - started) * 1000, 2)}
+            if isinstance(e, NotTls):
+                fields["first_bytes"] = e.first.hex()
             raise Refusal(
                 Outcome.HANDSHAKE_REFUSED,
                 handshake_failure_reason(e),
                 "handshake refused",
                 "handshake_refused",
                 counted="handshake",
+                fields=fields,
             ) from None
 
     def _authorize(self, link: TlsLink) -> str:

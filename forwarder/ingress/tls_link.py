@@ -23,6 +23,26 @@ class LinkClosed(RemoteProtocolError):
     """The peer closed or reset the TCP connection."""
 
 
+class NotTls(RemoteProtocolError):
+    """The connection's first bytes cannot begin a TLS handshake record; ``first`` holds them (at most 5)."""
+
+    def __init__(self, first: bytes) -> None:
+        super().__init__("not_tls", f"first bytes {first.hex()}")
+        self.first = first
+
+
+def can_start_tls(prefix: bytes) -> bool:
+    """Whether ``prefix`` (the first bytes of a connection, any length) can begin a TLS handshake record:
+    content type 22 (handshake), then a legacy record version 3.x (0x0301 or 0x0303 in practice; RFC 8446
+    5.1). Clear text on the TLS port (a bare PROXY v2 header, an HTTP request) fails at its first byte,
+    so it is refused at once instead of being taken as a record header and waited on."""
+    if len(prefix) > 0 and prefix[0] != 0x16:
+        return False
+    if len(prefix) > 1 and prefix[1] != 0x03:
+        return False
+    return not (len(prefix) > 2 and prefix[2] & 0xF0)
+
+
 async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -44,15 +64,33 @@ class TlsLink:
         self.rx_app_records = 0  # application-key records fed to OpenSSL after the handshake
         self.tx_app_records = 0  # application-key records OpenSSL produced after the handshake
         self._loop = asyncio.get_running_loop()
+        self._first = True  # no byte read from the socket yet
 
     async def _flush(self) -> None:
         data = self.outgoing.read()
         if data:
             await self._loop.sock_sendall(self.sock, data)
 
+    async def _first_header(self) -> bytes:
+        """The connection's first record header, judged byte by byte as it arrives (``can_start_tls``)."""
+        self._first = False
+        header = b""
+        while len(header) < RECORD_HEADER_LEN:
+            chunk = await self._loop.sock_recv(self.sock, RECORD_HEADER_LEN - len(header))
+            if not chunk:
+                raise LinkClosed("eof", f"after {len(header)} of {RECORD_HEADER_LEN} bytes")
+            header += chunk
+            if not can_start_tls(header):
+                raise NotTls(header)
+        return header
+
     async def read_record(self) -> bytes:
-        """Exactly one TLS record (header + body) from the socket."""
-        header = await recv_exact(self._loop, self.sock, RECORD_HEADER_LEN)
+        """Exactly one TLS record (header + body) from the socket; the connection's first must start
+        like a TLS handshake record (else :class:`NotTls`)."""
+        if self._first:
+            header = await self._first_header()
+        else:
+            header = await recv_exact(self._loop, self.sock, RECORD_HEADER_LEN)
         length = int.from_bytes(header[3:5], "big")
         if length > MAX_RECORD_BODY:
             raise RemoteProtocolError("record_too_long", f"{length} bytes")
