@@ -61,6 +61,14 @@ class ForwarderMetrics:
             ["plane", "reason"],
             registry=r,
         )
+        self.truncated = Counter(
+            "sbxnet_forwarder_truncated",
+            "Connections whose gateway direction ended without close_notify, so the sandbox was reset rather "
+            "than shown a clean end of stream: by plane and how the gateway side ended (fin: a TCP FIN, or one "
+            "inside a record; reset)",
+            ["plane", "end"],
+            registry=r,
+        )
         self.reloads = Counter("sbxnet_forwarder_cert_reloads", "Certificate reloads by result", ["result"], registry=r)
         # The idle feed (feed_reporter.py). Each worker reports on its own stream; the gauges sum (or take
         # the largest) over the live workers.

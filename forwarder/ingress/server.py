@@ -32,7 +32,7 @@ def make_plane(settings: ForwarderSettings, metrics: ForwarderMetrics | None = N
     if settings.data_plane == "userspace":
         from forwarder.ingress.planes.userspace import UserspacePlane
 
-        return UserspacePlane()
+        return UserspacePlane(metrics=metrics)
     if settings.data_plane == "ktls":
         from forwarder.ingress.planes.ktls import KtlsPlane
 

@@ -97,6 +97,8 @@ def test_gateway_reset_reaches_sandbox_as_reset(forwarder: ForwarderThread, pki:
     assert outcome == ["reset"]
     forwarder.wait_idle()
     assert forwarder.sample("sbxnet_forwarder_connections_total", {"outcome": "reset_gateway"}) == 1
+    # No close_notify came before the reset: the upload was cut short.
+    assert forwarder.sample("sbxnet_forwarder_truncated_total", {"plane": "userspace", "end": "reset"}) == 1
 
 
 def test_close_timeout_cuts_a_direction_that_never_ends(make_forwarder: MakeForwarder, pki: Pki) -> None:

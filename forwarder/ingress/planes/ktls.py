@@ -29,7 +29,7 @@ from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes import ktls_keys as ktls
 from forwarder.ingress.planes.interface import Handoff, Outcome, abort
-from forwarder.ingress.planes.splice_pump import EV_GW_FIN, PumpEvent, PumpOutcome, SplicePump
+from forwarder.ingress.planes.splice_pump import EV_GW_CLOSE_NOTIFY, EV_GW_FIN, PumpEvent, PumpOutcome, SplicePump
 from sbxnet.errors import EnvironmentFault
 
 log = logging.getLogger("sbxnet.forwarder")
@@ -206,6 +206,10 @@ class KtlsPlane:
         self.ends[ev.reason] += 1
         if self._metrics:
             self._metrics.plane_ends.labels(self.name, ev.reason).inc()
+            if ev.outcome is PumpOutcome.RESET_GATEWAY and not ev.flags & EV_GW_CLOSE_NOTIFY:
+                # The gateway's direction never ended in order: the upload was cut short (and the pump reset
+                # the sandbox). A reset after its close_notify cut only the other direction.
+                self._metrics.truncated.labels(self.name, "fin" if ev.flags & EV_GW_FIN else "reset").inc()
         if ev.outcome is not PumpOutcome.CLOSED:
             if ev.outcome is PumpOutcome.RESET_GATEWAY and ev.flags & EV_GW_FIN:
                 err = "TCP FIN without close_notify"

@@ -19,6 +19,7 @@ import time
 from typing import cast
 
 from forwarder.ingress.metering import ConnMeter
+from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import Handoff, Outcome, abort
 from forwarder.ingress.tls_link import MAX_RECORD_BODY
 
@@ -71,8 +72,12 @@ class _Drained(asyncio.Event):
 
 
 class _Reset(Exception):
-    def __init__(self, side: str) -> None:
+    """One side broke: ``end`` is ``reset`` (an error on its socket) or ``fin`` (the gateway's TCP stream
+    ended with no close_notify before it)."""
+
+    def __init__(self, side: str, end: str = "reset") -> None:
         self.side = side
+        self.end = end
 
 
 class _TlsFailure(Exception):
@@ -81,6 +86,9 @@ class _TlsFailure(Exception):
 
 class UserspacePlane:
     name = "userspace"
+
+    def __init__(self, *, metrics: ForwarderMetrics | None = None) -> None:
+        self._metrics = metrics
 
     @staticmethod
     def on_accept(sock: socket.socket) -> None:
@@ -99,8 +107,9 @@ class UserspacePlane:
                 if pending:
                     outcome = Outcome.CLOSE_TIMEOUT
             for task in (up, down):
-                if task.done() and task.exception() is not None:
-                    outcome = self._classify(task.exception())
+                if task.done() and (exc := task.exception()) is not None:
+                    outcome = self._classify(exc)
+                    self._count_truncation(exc, up)
                     break
         except asyncio.CancelledError:
             outcome = Outcome.DRAINED
@@ -111,6 +120,15 @@ class UserspacePlane:
             await asyncio.gather(up, down, return_exceptions=True)
             self._close(h, outcome)
         return outcome
+
+    def _count_truncation(self, exc: BaseException, up: asyncio.Task[None]) -> None:
+        """A gateway side that broke before its close_notify ended the upload (``up`` returns only after
+        it): the stream was cut short, and the sandbox is reset."""
+        if not isinstance(exc, _Reset) or exc.side != "gateway" or self._metrics is None:
+            return
+        if up.done() and not up.cancelled() and up.exception() is None:
+            return  # close_notify came first: only the other direction was cut
+        self._metrics.truncated.labels(self.name, exc.end).inc()
 
     @staticmethod
     def _classify(exc: BaseException | None) -> Outcome:
@@ -149,7 +167,7 @@ class UserspacePlane:
             if not got:
                 # TCP FIN with no close_notify before it (that ends the loop below): a cut, or an
                 # attacker's truncation, not an orderly end. Both sides are reset, as for a reset.
-                raise _Reset("gateway")
+                raise _Reset("gateway", "fin")
             h.link.incoming.write(rbuf[:got])  # copied out of the shared buffer before any await
             drained.clear()
             eof = False

@@ -1,6 +1,7 @@
 """How the gateway's direction ends, on both data planes: close_notify is its orderly end (the sandbox
 sees a FIN and may still answer); a TCP FIN without close_notify before it is a cut or a truncation,
-so both sides are reset and it is counted as ``reset_gateway``, as a reset is. Records with no data
+so both sides are reset and it is counted as ``reset_gateway``, as a reset is, and in
+``truncated_total{end="fin"}`` (a reset before close_notify: ``end="reset"``). Records with no data
 (TLS 1.3 allows them; kernel TLS reads them as 0 bytes, like the end of the stream) end nothing.
 
 The ``ktls`` cases need CONFIG_TLS: scripts/ktls-tests.sh runs them inside a Debian kernel."""
@@ -74,10 +75,18 @@ def outcomes(f: ForwarderThread) -> dict[str, float]:
     return {n: v for n, v in got.items() if v}
 
 
-def ended_with_reset_counted(f: ForwarderThread) -> None:
-    """The forwarder counted one connection, ended ``reset_gateway`` (and, on kTLS, the pump's reason)."""
+def truncations(f: ForwarderThread) -> dict[str, float]:
+    plane = f.server.plane.name
+    got = {e: f.sample("sbxnet_forwarder_truncated_total", {"plane": plane, "end": e}) for e in ("fin", "reset")}
+    return {e: v for e, v in got.items() if v}
+
+
+def ended_with_reset_counted(f: ForwarderThread, end: str = "fin") -> None:
+    """The forwarder counted one connection, ended ``reset_gateway`` (and, on kTLS, the pump's reason),
+    and one truncation that ended with ``end``."""
     f.wait_idle()
     assert outcomes(f) == {"reset_gateway": 1}
+    assert truncations(f) == {end: 1}
     if f.server.plane.name == "ktls":
         assert f.server.plane.ends == {"reset": 1}
         assert f.sample("sbxnet_forwarder_plane_ends_total", {"plane": "ktls", "reason": "reset"}) == 1
@@ -157,6 +166,56 @@ def test_fin_inside_a_record_resets_and_delivers_none_of_it(fwd: ForwarderThread
     assert not sb.app.errors
     assert (sb.head, sb.rest, sb.ended) == (b"whole|", b"", ["reset"])
     ended_with_reset_counted(fwd)
+
+
+@pytest.mark.parametrize("fwd", PLANES, indirect=True)
+def test_reset_from_gateway_before_close_notify_is_a_truncation(fwd: ForwarderThread, epki: Pki) -> None:
+    sb = ReadingSandbox(first=7)
+    client = open_link(fwd, epki, sb)
+    client.send(b"partial")
+    assert sb.got_first.wait(60)
+    client.abort()  # a TCP reset, no close_notify: the upload was cut
+    sb.app.join(60)
+    assert not sb.app.errors
+    assert (sb.head, sb.rest, sb.ended) == (b"partial", b"", ["reset"])
+    ended_with_reset_counted(fwd, end="reset")
+
+
+@pytest.mark.parametrize("fwd", PLANES, indirect=True)
+def test_reset_from_gateway_after_close_notify_is_no_truncation(fwd: ForwarderThread, epki: Pki) -> None:
+    # The gateway's direction ended in order (the sandbox saw its FIN); a reset after that cuts only the
+    # answer: reset_gateway, but the upload was whole.
+    got_eof, aborted = threading.Event(), threading.Event()
+    ended: list[bytes] = []
+
+    def handler(conn: socket.socket) -> None:
+        conn.settimeout(60)
+        buf = b""
+        while chunk := conn.recv(65536):
+            buf += chunk
+        ended.append(buf)
+        got_eof.set()
+        assert aborted.wait(60)
+        try:
+            conn.sendall(b"an answer nobody reads")  # the forwarder finds the gateway side reset
+            conn.recv(1)
+        except ConnectionResetError:
+            pass
+
+    app = SandboxApp(handler)
+    client = GwClient(fwd.port, epki.client_ctx(), timeout=60)
+    assert client.open(preamble_for(app.port)) is Status.OK
+    client.send(b"the whole upload")
+    client.close_write()  # close_notify, then FIN
+    assert got_eof.wait(60)
+    client.abort()
+    aborted.set()
+    app.join(60)
+    assert not app.errors
+    assert ended == [b"the whole upload"]
+    fwd.wait_idle()
+    assert outcomes(fwd) == {"reset_gateway": 1}
+    assert truncations(fwd) == {}
 
 
 @pytest.mark.parametrize("fin", [True, False], ids=["close_notify_then_fin", "close_notify_alone"])
