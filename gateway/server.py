@@ -51,6 +51,7 @@ from gateway.route_source import RouteLookupFailed, RouteSource, Waker, WakeRefu
 from gateway.routing import Forward, RawForward, decide_connection
 from gateway.tls_front import NEED_MORE, FrontTls, HelloName, hello_server_name
 from gateway.upstream import Upstream, UpstreamFailed, UpstreamPolicy, open_upstream
+from gateway.upstream_pool import WarmPool
 from sbxnet.accept import Acceptor
 from sbxnet.protocol.preamble import Preamble
 from sbxnet.protocol.routes import Route
@@ -91,6 +92,9 @@ class GatewayConfig:
     max_connections_per_sandbox: int = 1000
     wake_wait: float = 10.0
     max_waiting_per_sandbox: int = 256
+    pool_size: int = 0  # ready links kept per forwarder (gateway/upstream_pool.py); 0: no warm pool
+    pool_idle: float = 20.0  # a pooled link unused this long is retired
+    pool_max: int = 1024  # pooled links in all
 
 
 class GatewayMetrics:
@@ -117,6 +121,10 @@ class GatewayMetrics:
         self.rechecks = Counter("sbxnet_gateway_route_rechecks",
                                 "Routes looked up afresh after a failed connect", registry=r)
         self.cache = Counter("sbxnet_gateway_route_cache", "Route lookups by result", ["result"], registry=r)
+        self.pool_takes = Counter("sbxnet_gateway_pool_takes", "Warm pool takes by result (hit, miss, stale)",
+                                  ["result"], registry=r)
+        self.pool_links = Gauge("sbxnet_gateway_pool_links", "Ready links in the warm pool", registry=r,
+                                multiprocess_mode="livesum")
         self.drain_cut = Counter("sbxnet_gateway_drain_cut", "Connections still open at a drain's timeout, cut, "
                                  "by kind (handshake, http/1.1, h2, upgrade, tcp)", ["kind"], registry=r)
 
@@ -131,6 +139,11 @@ class GatewayServer:
         self._per_sandbox: dict[str, int] = {}
         self._draining = False
         self._sessions: set[H1Session | H2Session] = set()  # HTTP sessions running, told when a drain starts
+        self.pool: WarmPool | None = None
+        if config.pool_size > 0:
+            self.pool = WarmPool(config.upstream.context, size=config.pool_size, max_idle=config.pool_idle,
+                                 max_total=config.pool_max, handshake_timeout=config.upstream.handshake_timeout,
+                                 takes=self.metrics.pool_takes, links=self.metrics.pool_links)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -151,6 +164,8 @@ class GatewayServer:
         return self._draining
 
     async def start(self, listener: socket.socket) -> None:
+        if self.pool is not None:
+            self.pool.start()
         self._acceptor.start(listener)
 
     async def drain(self, timeout: float = 10.0) -> int:
@@ -161,6 +176,8 @@ class GatewayServer:
         await self._acceptor.stop_accepting()
         for session in list(self._sessions):
             session.drain()
+        if self.pool is not None:
+            await self.pool.close()  # requests still in flight connect afresh
         return await self._acceptor.drain(timeout)
 
     # -- one connection ----------------------------------------------------------------------------
@@ -355,7 +372,7 @@ class GatewayServer:
             connection_id=conn_id.encode(),
         )
         try:
-            up = await open_upstream(fwd.route, fwd.port, p, self.config.upstream,
+            up = await open_upstream(fwd.route, fwd.port, p, self.config.upstream, pool=self.pool,
                                      recheck=lambda: self._recheck(fwd.sandbox, fwd.route))
         except UpstreamFailed as e:
             self.metrics.upstream_attempts.inc(e.attempts)
@@ -367,7 +384,7 @@ class GatewayServer:
         # One line per link: which client connection (conn_id) reached which sandbox, for tracing with
         # the forwarder's log (its gateway_conn_id) and for telling coalesced HTTP/2 requests apart.
         log.info("link open", extra={"event": "link_open", "conn_id": conn_id, "sandbox_id": fwd.sandbox,
-                                     "fields": {"port": fwd.port, "attempts": up.attempts,
+                                     "fields": {"port": fwd.port, "attempts": up.attempts, "pooled": up.pooled,
                                                 "seconds": round(up.elapsed, 4)}})
         return up
 

@@ -46,6 +46,11 @@ class GatewaySettings(BaseSettings):
     max_connections: int = Field(10000, ge=1, le=1_000_000)
     max_connections_per_sandbox: int = Field(1000, ge=1, le=1_000_000)
     wake_wait: float = Field(10.0, gt=0, le=60)
+    upstream_pool_size: int = Field(0, ge=0, le=64, description="ready links kept per forwarder (warm pool); 0: none")
+    upstream_pool_idle: float = Field(
+        20.0, gt=0, le=3600, description="a pooled link unused this long is retired; keep it below the "
+                                         "forwarders' preamble_idle_timeout (30 s by default)")
+    upstream_pool_max: int = Field(1024, ge=1, le=100_000, description="pooled links in all")
     drain_timeout: float = Field(30.0, ge=0, le=3600)
     token_header: str = "X-Sbx-Token"
     token_cookie: str = "sbx_token"

@@ -26,6 +26,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from certs.loader import PinMismatch, check_pin
 from sbxnet.backoff import BACKOFF_CAP_S, BACKOFF_INITIAL_S, SYN_INTERVAL_S, backoff_delays
@@ -36,6 +37,9 @@ from sbxnet.protocol.preamble import Preamble
 from sbxnet.protocol.routes import Route
 from sbxnet.protocol.status import Status, StatusError
 from sbxnet.tls_stream import TlsStream
+
+if TYPE_CHECKING:
+    from gateway.upstream_pool import WarmPool
 
 _NO_RETRY = {
     Status.FORBIDDEN: "forwarder_forbidden",
@@ -72,6 +76,7 @@ class Upstream:
     attempts: int
     elapsed: float  # from the first SYN to the OK
     failures: list[str] = field(default_factory=list)  # why each earlier attempt failed, in order
+    pooled: bool = False  # the link came ready from the warm pool
 
 
 def jittered(delays: Iterator[float], rng: random.Random, jitter: float) -> Iterator[float]:
@@ -89,14 +94,18 @@ Recheck = Callable[[], Awaitable[Route | None]]
 
 async def open_upstream(
     route: Route, port: int, preamble: Preamble, policy: UpstreamPolicy, *, rng: random.Random | None = None,
-    recheck: Recheck | None = None,
+    recheck: Recheck | None = None, pool: WarmPool | None = None,
 ) -> Upstream:
     """Reach ``route``'s forwarder for ``port`` and get its OK within ``route.connect_deadline_s``.
 
     ``recheck``: called once, after the first attempt that fails in a way worth retrying. A cached route
     can say ``active`` for a sandbox that has since gone idle and been stopped; the caller looks the route
     up afresh and wakes the sandbox if it must, and returns the route to go on with (None: it is gone).
-    A route other than the one given restarts the deadline (the wake took its own time)."""
+    A route other than the one given restarts the deadline (the wake took its own time).
+
+    ``pool``: the first attempt takes a ready link from it when there is one, and skips the connect and
+    the handshake. If that link fails before the status (the forwarder had closed it), the next attempt
+    follows at once on a fresh connection, with no backoff and no recheck: the sandbox did nothing wrong."""
     loop = asyncio.get_running_loop()
     rng = rng or random.Random()
     start = loop.time()
@@ -106,6 +115,16 @@ async def open_upstream(
     attempts = 0
     fwd = route.forwarder
     wire = GatewaySequence.for_preamble(preamble, now=start, timeout=policy.status_timeout).start()
+    pooled = pool.take(fwd) if pool is not None else None
+    if pooled is not None:
+        try:
+            stream, leftover = await _exchange(pooled, wire, policy, loop.time())
+            return Upstream(stream, leftover, 0, loop.time() - start, failures, pooled=True)
+        except _Retry as r:
+            failures.append(f"pooled_{r.reason}")
+        except UpstreamFailed as e:
+            e.attempts = attempts
+            raise
     while True:
         remaining = deadline - loop.time()
         if remaining <= 0:
