@@ -9,6 +9,7 @@ HTTP/1.1, and the same files over TLS 1.3 for arm D.
 Arms:
   A  ``sbxnet gateway`` (routes file, client TLS 1.3) -> ``sbxnet forwarder`` (mutual TLS 1.3, the
      preamble; kTLS data plane if this kernel has it, else userspace) -> the app's plaintext port
+  P  the same as A with the gateway's warm pool on (``upstream_pool_size`` 2): a chain of its own
   B  nginx as the same front end (bench/nginx/front.conf: TLS 1.3 with the same certificate, HTTP parsed,
      X-Forwarded-*, ``proxy_pass https://`` with the gateway's client certificate, upstream keep-alive)
      -> nginx's stream module as the TCP-level mutual-TLS hop (bench/nginx/hop.conf, the forwarder's
@@ -78,6 +79,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 METRICS = ("ka1", "kaN", "newconn", "firstbyte", "bulk")
 ARM_NAMES = {
     "A": "sbxnet gateway -> sbxnet forwarder -> app",
+    "P": "the same as A, with the gateway's warm pool (2 ready links)",
     "B": "nginx front -> nginx stream TLS hop -> app",
     "D": "direct TLS to the app (no hop)",
 }
@@ -297,8 +299,8 @@ class Bench:
         wait_port(ready_port, proc, log)
         return server
 
-    def sbxnet(self, name: str, env: dict[str, str], ready_port: int) -> Server:
-        log = self.work / f"{name}.log"
+    def sbxnet(self, name: str, env: dict[str, str], ready_port: int, *, tag: str = "") -> Server:
+        log = self.work / f"{name}{tag}.log"
         full = {k: v for k, v in os.environ.items() if not k.startswith("SBXNET_")}
         full.update(env)
         with log.open("wb") as out:
@@ -310,11 +312,9 @@ class Bench:
         return server
 
     def start(self, arms: list[str]) -> None:
-        from forwarder.ingress.planes.ktls_keys import probe
-
-        w = self.work
         app_port, app_tls = free_port(), free_port()
         app = self.nginx("app", {"APP_PORT": app_port, "APP_TLS_PORT": app_tls}, app_port)
+        self.app_port, self.app = app_port, app
         wait_port(app_tls, app.proc, app.log)
         if "D" in arms:
             self.arms["D"] = Arm("D", app_tls, [app], [], [], "the app nginx's own TLS listener")
@@ -327,51 +327,63 @@ class Bench:
             self.arms["B"] = Arm("B", front_port, [front], [hop], [app],
                                  "nginx http (1 worker) -> nginx stream (1 worker)")
         if "A" in arms:
-            ktls = probe()
-            self.plane = "ktls" if ktls.ok else "userspace"
-            self.plane_note = "" if ktls.ok else f"kernel TLS not available: {ktls.cause}"
-            fwd_port, gw_port = free_port(), free_port()
-            fwd = self.sbxnet("forwarder", {
-                "SBXNET_FORWARDER_LISTEN_HOST": "127.0.0.1",
-                "SBXNET_FORWARDER_LISTEN_PORT": str(fwd_port),
-                "SBXNET_FORWARDER_METRICS_PORT": "0",
-                "SBXNET_FORWARDER_CERT_FILE": str(w / "forwarder.crt"),
-                "SBXNET_FORWARDER_KEY_FILE": str(w / "forwarder.key"),
-                "SBXNET_FORWARDER_CA_FILE": str(w / "ca.crt"),
-                "SBXNET_FORWARDER_CLIENT_SAN_ALLOW": f"spiffe://{TRUST}/gateway",
-                "SBXNET_FORWARDER_SANDBOX_PREFIXES": "127.0.0.0/8",
-                "SBXNET_FORWARDER_ALLOW_TARGETS": "127.0.0.1/32",
-                "SBXNET_FORWARDER_DATA_PLANE": self.plane,
-                "SBXNET_FORWARDER_WORKERS": "1",
-                "SBXNET_FORWARDER_LOG_LEVEL": "warning",
-            }, fwd_port)
-            routes = w / "routes.json"
-            routes.write_text(json.dumps({"sandboxes": {SANDBOX: {
-                "incarnation": "i1",
-                "forwarder": {"address": f"127.0.0.1:{fwd_port}", "spki_pin": self.pin},
-                "target_ip": "127.0.0.1",
-                "default_port": app_port,
-                "ports": {str(app_port): {"protocol": "http", "auth": "public"}},
-                "idle_period_s": 3600,
-                "connect_deadline_s": 5,
-            }}}))
-            gw = self.sbxnet("gateway", {
-                "SBXNET_GATEWAY_LISTEN_HOST": "127.0.0.1",
-                "SBXNET_GATEWAY_LISTEN_PORT": str(gw_port),
-                "SBXNET_GATEWAY_METRICS_PORT": "0",
-                "SBXNET_GATEWAY_DOMAIN": DOMAIN,
-                "SBXNET_GATEWAY_CERT_FILES": str(w / "front.crt"),
-                "SBXNET_GATEWAY_KEY_FILES": str(w / "front.key"),
-                "SBXNET_GATEWAY_ROUTES_FILE": str(routes),
-                "SBXNET_GATEWAY_UPSTREAM_CERT_FILE": str(w / "gateway.crt"),
-                "SBXNET_GATEWAY_UPSTREAM_KEY_FILE": str(w / "gateway.key"),
-                "SBXNET_GATEWAY_UPSTREAM_CA_FILE": str(w / "ca.crt"),
-                "SBXNET_GATEWAY_LOG_LEVEL": "warning",
-            }, gw_port)
-            self.arms["A"] = Arm("A", gw_port, [gw], [fwd], [app], f"forwarder data plane {self.plane}")
+            self.arms["A"] = self.chain("A", pool_size=0)
+        if "P" in arms:
+            self.arms["P"] = self.chain("P", pool_size=2)
         for arm in self.arms.values():
             arm.cipher = self.cipher(arm.port)
             self.check(arm)
+
+    def chain(self, name: str, *, pool_size: int) -> Arm:
+        """``sbxnet gateway`` -> ``sbxnet forwarder`` -> the app, a pair of processes of its own."""
+        from forwarder.ingress.planes.ktls_keys import probe
+
+        w = self.work
+        app_port = self.app_port
+        ktls = probe()
+        self.plane = "ktls" if ktls.ok else "userspace"
+        self.plane_note = "" if ktls.ok else f"kernel TLS not available: {ktls.cause}"
+        fwd_port, gw_port = free_port(), free_port()
+        fwd = self.sbxnet("forwarder", {
+            "SBXNET_FORWARDER_LISTEN_HOST": "127.0.0.1",
+            "SBXNET_FORWARDER_LISTEN_PORT": str(fwd_port),
+            "SBXNET_FORWARDER_METRICS_PORT": "0",
+            "SBXNET_FORWARDER_CERT_FILE": str(w / "forwarder.crt"),
+            "SBXNET_FORWARDER_KEY_FILE": str(w / "forwarder.key"),
+            "SBXNET_FORWARDER_CA_FILE": str(w / "ca.crt"),
+            "SBXNET_FORWARDER_CLIENT_SAN_ALLOW": f"spiffe://{TRUST}/gateway",
+            "SBXNET_FORWARDER_SANDBOX_PREFIXES": "127.0.0.0/8",
+            "SBXNET_FORWARDER_ALLOW_TARGETS": "127.0.0.1/32",
+            "SBXNET_FORWARDER_DATA_PLANE": self.plane,
+            "SBXNET_FORWARDER_WORKERS": "1",
+            "SBXNET_FORWARDER_LOG_LEVEL": "warning",
+        }, fwd_port, tag=f"-{name}")
+        routes = w / f"routes-{name}.json"
+        routes.write_text(json.dumps({"sandboxes": {SANDBOX: {
+            "incarnation": "i1",
+            "forwarder": {"address": f"127.0.0.1:{fwd_port}", "spki_pin": self.pin},
+            "target_ip": "127.0.0.1",
+            "default_port": app_port,
+            "ports": {str(app_port): {"protocol": "http", "auth": "public"}},
+            "idle_period_s": 3600,
+            "connect_deadline_s": 5,
+        }}}))
+        gw = self.sbxnet("gateway", {
+            "SBXNET_GATEWAY_LISTEN_HOST": "127.0.0.1",
+            "SBXNET_GATEWAY_LISTEN_PORT": str(gw_port),
+            "SBXNET_GATEWAY_METRICS_PORT": "0",
+            "SBXNET_GATEWAY_DOMAIN": DOMAIN,
+            "SBXNET_GATEWAY_CERT_FILES": str(w / "front.crt"),
+            "SBXNET_GATEWAY_KEY_FILES": str(w / "front.key"),
+            "SBXNET_GATEWAY_ROUTES_FILE": str(routes),
+            "SBXNET_GATEWAY_UPSTREAM_CERT_FILE": str(w / "gateway.crt"),
+            "SBXNET_GATEWAY_UPSTREAM_KEY_FILE": str(w / "gateway.key"),
+            "SBXNET_GATEWAY_UPSTREAM_CA_FILE": str(w / "ca.crt"),
+            "SBXNET_GATEWAY_LOG_LEVEL": "warning",
+            "SBXNET_GATEWAY_UPSTREAM_POOL_SIZE": str(pool_size),
+        }, gw_port, tag=f"-{name}")
+        pool = f"warm pool of {pool_size} per forwarder" if pool_size else "no warm pool"
+        return Arm(name, gw_port, [gw], [fwd], [self.app], f"forwarder data plane {self.plane}, {pool}")
 
     def cipher(self, port: int) -> str:
         ctx = ssl.create_default_context(cafile=str(self.work / "ca.crt"))
@@ -645,7 +657,7 @@ def main() -> int:
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     for a in arms:
         if a not in ARM_NAMES:
-            ap.error(f"unknown arm {a!r} (A, B, D)")
+            ap.error(f"unknown arm {a!r} (A, P, B, D)")
     for m in metrics:
         if m not in METRICS:
             ap.error(f"unknown measurement {m!r} ({', '.join(METRICS)})")
