@@ -35,15 +35,20 @@ anything else ``pg`` with its SQLSTATE. A commit whose connection is lost raises
 its outcome unknown: a feed batch it carried may have been stored, which the forwarder's resend then
 meets as a duplicate.
 
+Row versions (``store.py``): ``sandboxes.row_version``, handed out by the sequence ``row_versions`` (one
+``nextval`` per transaction that writes rows: unique across sessions, whether or not they commit).
+
 Schema: the same tables as SQLite's (``scheduler/sqlite_store.py``) with PostgreSQL types (BIGINT,
 DOUBLE PRECISION, BOOLEAN, an IDENTITY id), created when absent in the connection's ``search_path``
 schema under an advisory lock (replicas may start together), with its version in ``schema_version``:
-version 2. A version 1 schema is migrated there under the same lock (as SQLite's version 2 is: open
+version 3. Older schemas are migrated there under the same lock: version 1 as SQLite's version 2 is (open
 counts per source, the one count becoming the unattributed source's, and the ledger's last-applied time,
-0 for the rows that were there); another version is refused. Replicas of different versions must not run
-on one database: stop every replica, then start the new ones (an old one would write no ``open_by`` and no
-``applied_at``). The registration is TEXT, ``push_registration``'s JSON as it was written (the scheduler
-reads it back whole and never queries into it, so JSONB would only re-encode it); ``open_by`` is TEXT too
+0 for the rows that were there), version 2 as SQLite's 3 (row versions, 0 for the rows there); another
+version is refused. Replicas of different versions must not run on one database: stop every replica,
+then start the new ones (an old one would write no ``open_by`` and no ``applied_at``, and, worst, no
+``row_version``: the new replicas would take a row it changed for one they hold already). The
+registration is TEXT, ``push_registration``'s JSON as it was written (the scheduler reads it back whole
+and never queries into it, so JSONB would only re-encode it); ``open_by`` is TEXT too
 (``store.open_by_text``), read as JSONB only by ``open_from``, over the rows a partial index holds (those
 with any open count).
 """
@@ -81,7 +86,7 @@ from scheduler.store import (
 )
 from scheduler.timers import Event, SandboxState
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA_LOCK = 0x5B8E_5C4E_0001  # pg_advisory_xact_lock key while the schema is checked or created
 
 _SCHEMA = """
@@ -101,8 +106,10 @@ CREATE TABLE sandboxes (
     stopped_at DOUBLE PRECISION,
     wake_from TEXT,
     fenced BOOLEAN NOT NULL,
-    open_by TEXT NOT NULL DEFAULT '{}'
+    open_by TEXT NOT NULL DEFAULT '{}',
+    row_version BIGINT NOT NULL DEFAULT 0
 );
+CREATE SEQUENCE row_versions;
 CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}';
 CREATE TABLE feed_ledger (
     identity TEXT PRIMARY KEY,
@@ -136,19 +143,27 @@ _MIGRATE_1 = (
     "ALTER TABLE feed_ledger ADD COLUMN counts_forgotten BOOLEAN NOT NULL DEFAULT false",
     "UPDATE schema_version SET version = 2",
 )
+# Version 2 -> 3, as SQLite's 3 -> 4: row versions.
+_MIGRATE_2 = (
+    "ALTER TABLE sandboxes ADD COLUMN row_version BIGINT NOT NULL DEFAULT 0",
+    "CREATE SEQUENCE row_versions",
+    "UPDATE schema_version SET version = 3",
+)
 
-_ROW_COLS = f"sandbox, registration, registered_at, {', '.join(STATE_COLUMNS)}"
+_ROW_COLS = f"sandbox, registration, registered_at, row_version, {', '.join(STATE_COLUMNS)}"
 # Arrays go as %b (binary): the text format quotes each element, which costs more than the statement.
 _LOCK = f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox = ANY(%b) ORDER BY sandbox FOR UPDATE"
+_LOCK_VERSIONS = "SELECT sandbox, row_version FROM sandboxes WHERE sandbox = ANY(%b) ORDER BY sandbox FOR UPDATE"
+_PUT_COLS = ("incarnation", "registration", "registered_at", "row_version", *STATE_COLUMNS)
 _PUT = (
-    f"INSERT INTO sandboxes (sandbox, incarnation, registration, registered_at, {', '.join(STATE_COLUMNS)}) "
-    f"VALUES ({', '.join(['%s'] * (4 + len(STATE_COLUMNS)))}) ON CONFLICT (sandbox) DO UPDATE SET "
-    + ", ".join(f"{c} = excluded.{c}" for c in ("incarnation", "registration", "registered_at", *STATE_COLUMNS))
+    f"INSERT INTO sandboxes (sandbox, {', '.join(_PUT_COLS)}) "
+    f"VALUES ({', '.join(['%s'] * (1 + len(_PUT_COLS)))}) ON CONFLICT (sandbox) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in _PUT_COLS)
 )
 # One statement for a whole batch's states: a column per array, matched to the rows by sandbox.
 _STATE_TYPES = ("text", "float8", "float8", "int8", "int8", "int8", "float8", "float8", "text", "bool", "text")
 _SAVE = (
-    f"UPDATE sandboxes AS s SET {', '.join(f'{c} = v.{c}' for c in STATE_COLUMNS)} "
+    f"UPDATE sandboxes AS s SET {', '.join(f'{c} = v.{c}' for c in STATE_COLUMNS)}, row_version = %s "
     f"FROM unnest(%b::text[], {', '.join(f'%b::{t}[]' for t in _STATE_TYPES)}) "
     f"AS v(sandbox, {', '.join(STATE_COLUMNS)}) WHERE s.sandbox = v.sandbox"
 )
@@ -190,6 +205,7 @@ class PgTx:
         self._store = store
         self._conn: psycopg.Connection[Any] | None = conn
         self._events_locked = False
+        self._version: int | None = None
 
     def _c(self) -> psycopg.Connection[Any]:
         if self._conn is None:
@@ -215,6 +231,19 @@ class PgTx:
                 self._store._regs.forget(sid)
         return out
 
+    def lock_versions(self, sandboxes: Collection[str]) -> dict[str, int]:
+        ids = list(dict.fromkeys(sandboxes))
+        if not ids:
+            return {}
+        return {str(sid): int(v) for sid, v in self.execute(_LOCK_VERSIONS, (ids,)).fetchall()}
+
+    def written_version(self) -> int:
+        if self._version is None:
+            row = self.execute("SELECT nextval('row_versions')").fetchone()
+            assert row is not None
+            self._version = int(row[0])
+        return self._version
+
     def ledger(self, identity: str) -> Stored | None:
         sql = "SELECT epoch, last_seq FROM feed_ledger WHERE identity = %s FOR UPDATE"
         row = self.execute(sql, (identity,)).fetchone()
@@ -225,7 +254,8 @@ class PgTx:
         events: Sequence[Event],
     ) -> list[int]:
         body = push_registration(registration).decode()
-        self.execute(_PUT, (sandbox, registration.incarnation, body, registered_at, *state_row(state)))
+        version = self.written_version()
+        self.execute(_PUT, (sandbox, registration.incarnation, body, registered_at, version, *state_row(state)))
         return self._insert_events(events)
 
     def remove_registration(self, sandbox: str) -> bool:
@@ -234,7 +264,8 @@ class PgTx:
 
     def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
         if updates:
-            columns: list[list[object]] = [list(updates)]
+            version = self.written_version()
+            columns: list[object] = [version, list(updates)]
             columns += [list(c) for c in zip(*(state_row(st) for st in updates.values()), strict=True)]
             self.execute(_SAVE, columns)
         return self._insert_events(events)
@@ -382,17 +413,21 @@ class PgStore(OneShotWrites):
             if rows == [(1,)]:
                 for stmt in _MIGRATE_1:
                     tx.execute(stmt)
+                rows = [(2,)]
+            if rows == [(2,)]:
+                for stmt in _MIGRATE_2:
+                    tx.execute(stmt)
                 return
             if rows != [(SCHEMA_VERSION,)]:
                 found = [r[0] for r in rows]
                 raise StoreError(
-                    "schema_version", f"the database has {found}, this build knows 1 and {SCHEMA_VERSION}"
+                    "schema_version", f"the database has {found}, this build knows 1 to {SCHEMA_VERSION}"
                 )
 
     def _sandbox_of(self, row: Sequence[Any]) -> StoredSandbox:
         sandbox, body, registered_at = str(row[0]), str(row[1]), row[2]
         return StoredSandbox(
-            sandbox, self._regs.get(sandbox, body), float(registered_at), state_of(sandbox, row[3:])
+            sandbox, self._regs.get(sandbox, body), float(registered_at), int(row[3]), state_of(sandbox, row[4:])
         )
 
     # -- reads ----------------------------------------------------------------------------------

@@ -24,12 +24,17 @@ none); a partial index on the rows with any lets ``open_from`` read just those (
 the source). The ledger row also says when its last batch was applied (``applied_at``, the scheduler's
 clock) and whether its counts were forgotten since (``counts_forgotten``), for ``stale_sources``.
 
-The schema is created on open, with its version in ``schema_version``: version 3. Older files are
+Row versions (``store.py``): ``sandboxes.row_version``, handed out by the one-row table ``row_versions``
+(the last one given), which a transaction that writes rows increments once; under ``BEGIN IMMEDIATE``
+no two transactions can take the same one, whichever connection they are on.
+
+The schema is created on open, with its version in ``schema_version``: version 4. Older files are
 migrated on open, in one transaction: version 1 had no webhook claim columns (added); version 2 kept one
 open count per sandbox and nothing about when a ledger record was last applied. Its count becomes the
 unattributed source's (``store.UNATTRIBUTED``, which the service forgets once, ``source_stale_s`` after it
 starts), and its ledger rows get ``applied_at`` 0 (the service's grace after a start covers them: a live
-forwarder's next batch sets it). A file of any other version is refused.
+forwarder's next batch sets it); version 3 had no row versions (its rows get 0, and versions are handed
+out from 1). A file of any other version is refused.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ from scheduler.store import (
 )
 from scheduler.timers import Event, SandboxState
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -82,8 +87,10 @@ CREATE TABLE sandboxes (
     stopped_at REAL,
     wake_from TEXT,
     fenced INTEGER NOT NULL,
-    open_by TEXT NOT NULL DEFAULT '{}'   -- source -> open count, JSON, sorted keys (store.open_by_text)
+    open_by TEXT NOT NULL DEFAULT '{}',  -- source -> open count, JSON, sorted keys (store.open_by_text)
+    row_version INTEGER NOT NULL DEFAULT 0  -- the version of the write that left it so (store.py)
 );
+CREATE TABLE row_versions (last INTEGER NOT NULL);  -- one row: the last version handed out
 CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}';
 CREATE TABLE feed_ledger (
     identity TEXT PRIMARY KEY,           -- the forwarder certificate's SAN and the stream: <san>#<n>
@@ -106,6 +113,7 @@ CREATE TABLE events (
     claimed_until REAL
 );
 CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
+INSERT INTO row_versions (last) VALUES (0);
 """
 # Version 1 -> 2: the webhook claim columns.
 _MIGRATE_1 = (
@@ -123,13 +131,23 @@ _MIGRATE_2 = (
     "ALTER TABLE feed_ledger ADD COLUMN counts_forgotten INTEGER NOT NULL DEFAULT 0",
     "UPDATE schema_version SET version = 3",
 )
-
-_ROW_COLS = f"sandbox, registration, registered_at, {', '.join(STATE_COLUMNS)}"
-_UPDATE_STATE = f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in STATE_COLUMNS)} WHERE sandbox = ?"
-_PUT = (
-    "INSERT OR REPLACE INTO sandboxes (sandbox, incarnation, registration, registered_at, "
-    f"{', '.join(STATE_COLUMNS)}) VALUES ({', '.join('?' * (4 + len(STATE_COLUMNS)))})"
+# Version 3 -> 4: row versions.
+_MIGRATE_3 = (
+    "ALTER TABLE sandboxes ADD COLUMN row_version INTEGER NOT NULL DEFAULT 0",
+    "CREATE TABLE row_versions (last INTEGER NOT NULL)",
+    "INSERT INTO row_versions (last) VALUES (0)",
+    "UPDATE schema_version SET version = 4",
 )
+
+_ROW_COLS = f"sandbox, registration, registered_at, row_version, {', '.join(STATE_COLUMNS)}"
+_UPDATE_STATE = (
+    f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in STATE_COLUMNS)}, row_version = ? WHERE sandbox = ?"
+)
+_PUT = (
+    "INSERT OR REPLACE INTO sandboxes (sandbox, incarnation, registration, registered_at, row_version, "
+    f"{', '.join(STATE_COLUMNS)}) VALUES ({', '.join('?' * (5 + len(STATE_COLUMNS)))})"
+)
+_NEXT_VERSION = "UPDATE row_versions SET last = last + 1 RETURNING last"
 _INSERT_EVENT = (
     "INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
@@ -157,6 +175,7 @@ class SqliteTx:
     def __init__(self, store: SqliteStore) -> None:
         self._store = store
         self._open = True
+        self._version: int | None = None
 
     def _c(self) -> sqlite3.Connection:
         if not self._open:
@@ -167,19 +186,30 @@ class SqliteTx:
         self._open = False
 
     def lock(self, sandboxes: Collection[str]) -> dict[str, StoredSandbox]:
-        c = self._c()
-        ids = list(dict.fromkeys(sandboxes))
         out: dict[str, StoredSandbox] = {}
-        for i in range(0, len(ids), _LOCK_CHUNK):
-            part = ids[i : i + _LOCK_CHUNK]
-            marks = ", ".join("?" * len(part))
-            for row in c.execute(f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox IN ({marks})", part):
-                s = self._store._sandbox_of(row)
-                out[s.sandbox] = s
+        ids = list(dict.fromkeys(sandboxes))
+        for row in self._select(_ROW_COLS, ids):
+            s = self._store._sandbox_of(row)
+            out[s.sandbox] = s
         for sid in ids:
             if sid not in out:
                 self._store._regs.forget(sid)
         return out
+
+    def lock_versions(self, sandboxes: Collection[str]) -> dict[str, int]:
+        return {str(sid): int(v) for sid, v in self._select("sandbox, row_version", list(dict.fromkeys(sandboxes)))}
+
+    def _select(self, columns: str, ids: list[str]) -> Iterator[sqlite3.Row]:
+        c = self._c()
+        for i in range(0, len(ids), _LOCK_CHUNK):
+            part = ids[i : i + _LOCK_CHUNK]
+            marks = ", ".join("?" * len(part))
+            yield from c.execute(f"SELECT {columns} FROM sandboxes WHERE sandbox IN ({marks})", part)
+
+    def written_version(self) -> int:
+        if self._version is None:
+            self._version = int(self._c().execute(_NEXT_VERSION).fetchall()[0][0])
+        return self._version
 
     def ledger(self, identity: str) -> Stored | None:
         row = self._c().execute("SELECT epoch, last_seq FROM feed_ledger WHERE identity = ?", (identity,)).fetchone()
@@ -191,7 +221,8 @@ class SqliteTx:
     ) -> list[int]:
         c = self._c()
         body = push_registration(registration).decode()
-        c.execute(_PUT, (sandbox, registration.incarnation, body, registered_at, *state_row(state)))
+        version = self.written_version()
+        c.execute(_PUT, (sandbox, registration.incarnation, body, registered_at, version, *state_row(state)))
         return self._insert_events(c, events)
 
     def remove_registration(self, sandbox: str) -> bool:
@@ -200,7 +231,9 @@ class SqliteTx:
 
     def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
         c = self._c()
-        c.executemany(_UPDATE_STATE, [(*state_row(st), sid) for sid, st in updates.items()])
+        if updates:
+            version = self.written_version()
+            c.executemany(_UPDATE_STATE, [(*state_row(st), version, sid) for sid, st in updates.items()])
         return self._insert_events(c, events)
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
@@ -321,6 +354,10 @@ class SqliteStore(OneShotWrites):
             if rows == [(2,)]:
                 for stmt in _MIGRATE_2:
                     c.execute(stmt)
+                rows = [(3,)]
+            if rows == [(3,)]:
+                for stmt in _MIGRATE_3:
+                    c.execute(stmt)
                 return
             if rows != [(SCHEMA_VERSION,)]:
                 found = [r[0] for r in rows]
@@ -331,7 +368,7 @@ class SqliteStore(OneShotWrites):
     def _sandbox_of(self, row: Sequence[Any]) -> StoredSandbox:
         sandbox, body, registered_at = str(row[0]), str(row[1]), row[2]
         reg = self._regs.get(sandbox, body)
-        return StoredSandbox(sandbox, reg, float(registered_at), state_of(sandbox, row[3:]))
+        return StoredSandbox(sandbox, reg, float(registered_at), int(row[3]), state_of(sandbox, row[4:]))
 
     # -- reads ----------------------------------------------------------------------------------
 

@@ -14,7 +14,14 @@ and reads the rows it will change (``Tx.lock``, ``Tx.ledger``), has the caller r
 its core (``TimerCore.restore``), apply the operation there, and write back what changed (``Tx.save``).
 Two replicas therefore never lose each other's updates (the second waits for the first's commit and
 starts from its result), and an idle timer fires once (the second replica re-reads the row under the
-lock, finds it idle already, and its core makes no event). A write that skips the lock (a one-shot
+lock, finds it idle already, and its core makes no event).
+
+Row versions: every write of a sandbox's row stamps it with the writing transaction's version
+(``Tx.written_version``), a number the store hands out once, so no two writes of any rows share one
+unless they are one transaction's. A core that read or wrote a row knows its version
+(``TimerCore.stored_version``), and a row whose stored version is that one holds what the core holds: the
+feed's path locks its rows reading their versions alone (``Tx.lock_versions``) and reads in full only
+those whose version moved (``refresh_core``), which with one writer is none. A write that skips the lock (a one-shot
 ``save`` of states computed from a stale core) can overwrite another replica's commit: the one-shot
 methods are for a store with one writer, and for tests.
 
@@ -73,6 +80,7 @@ class StoredSandbox:
     sandbox: str
     registration: Registration
     registered_at: float  # when this incarnation began (the timer core's ``registered_at``)
+    version: int  # the version of the write that left the row so (``Tx.written_version``)
     state: SandboxState
 
     def config(self) -> SandboxConfig:
@@ -95,6 +103,16 @@ class Tx(Protocol):
         """The stored rows of these sandboxes (IDs not stored are left out), locked until the transaction
         ends. PostgreSQL: ``SELECT ... FOR UPDATE`` in ID order, so two replicas locking overlapping sets
         never deadlock; SQLite: ``BEGIN IMMEDIATE`` already holds the whole database."""
+        ...
+
+    def lock_versions(self, sandboxes: Collection[str]) -> dict[str, int]:
+        """``lock``, reading only each stored row's version: what ``refresh_core`` compares with the
+        versions a core holds before reading in full (with ``lock``) just the rows that moved."""
+        ...
+
+    def written_version(self) -> int:
+        """The version every row this transaction writes is stamped with (``put_registration``, ``save``):
+        taken from the store on first use, never one another transaction's writes had or will have."""
         ...
 
     def ledger(self, identity: str) -> Stored | None:
@@ -398,36 +416,35 @@ class RegistrationCache:
 
 
 def load_core(store: Store) -> TimerCore:
-    """A timer core holding every stored sandbox as it was saved (no events)."""
+    """A timer core holding every stored sandbox as it was saved (no events), with its row's version."""
     core = TimerCore()
     for s in store.sandboxes():
-        core.restore(s.config(), s.state)
+        core.restore(s.config(), s.state, s.version)
     return core
 
 
 def sync_core(core: TimerCore, sandboxes: Collection[str], rows: Mapping[str, StoredSandbox]) -> None:
     """Make ``core`` hold what the store holds for ``sandboxes`` (``rows``, from ``Tx.lock``): a stored
-    sandbox restored unless the core has it exactly so already, one that is not stored removed (another
-    replica removed it, or it was never registered)."""
+    sandbox restored unless the core holds that row's version already, one that is not stored removed
+    (another replica removed it, or it was never registered)."""
     for sid in sandboxes:
         row = rows.get(sid)
         if row is None:
             core.remove(sid)
-            continue
-        if sid in core and _same_config(core.config(sid), row) and core.has_state(sid, row.state):
-            continue  # the common case with one writer: leave its heap entry where it is
-        core.restore(row.config(), row.state)
+        elif core.stored_version(sid) != row.version:
+            core.restore(row.config(), row.state, row.version)
 
 
-def _same_config(c: SandboxConfig, row: StoredSandbox) -> bool:
-    """``c == row.config()`` without building one (this runs for every sandbox of every batch)."""
-    r = row.registration
-    return (
-        c.incarnation == r.incarnation
-        and c.idle_period_s == r.idle_period_s
-        and c.activity == r.activity
-        and c.registered_at == row.registered_at
-    )
+def refresh_core(core: TimerCore, tx: Tx, sandboxes: Collection[str]) -> None:
+    """``sync_core`` for ``sandboxes``, their rows locked, reading in full only the rows whose stored
+    version is not the one ``core`` holds (``Tx.lock_versions``, then ``Tx.lock`` of those): with one
+    writer the core holds every version already, and nothing but versions is read."""
+    versions = tx.lock_versions(sandboxes)
+    stored = core.stored_version
+    stale = [sid for sid in sandboxes if (v := stored(sid)) is None or versions.get(sid) != v]
+    if stale:
+        present = [sid for sid in stale if sid in versions]
+        sync_core(core, stale, tx.lock(present) if present else {})
 
 
 class CoreAhead(StoreError):
@@ -439,10 +456,11 @@ def ingest_batch(
 ) -> tuple[Decision, list[Event]]:
     """Judge ``batch`` from ``identity`` against the ledger record read (and locked) in one transaction; if
     it is to be applied, lock the batch's sandboxes, bring ``core`` up to what the store holds for them
-    (``sync_core``), apply each entry to the core (last activity = ``now - idle_s``, open counts as
-    ``identity``'s) and write the ledger claim, the time it was applied, the touched sandboxes and the
-    events in the same transaction. Returns the decision (its ``answer`` is what to send) and the events
-    (to publish once this returns).
+    (``refresh_core``: only rows whose version moved are read in full), apply each entry to the core
+    (last activity = ``now - idle_s``, open counts as ``identity``'s) and write the ledger claim, the time
+    it was applied, the touched sandboxes and the events in the same transaction. Returns the decision
+    (its ``answer`` is what to send) and the events (to publish once this returns); once committed, the
+    core holds the written rows' version (``TimerCore.mark_stored``).
 
     An epoch's first batch (a forwarder worker that restarted, or one the ledger has no record of) knows
     nothing of the connections its previous epoch reported: ``identity``'s counts are forgotten first
@@ -469,7 +487,7 @@ def ingest_batch(
             if restart:
                 held = set(core.holding(identity)).union(tx.open_from(identity))
                 sids += sorted(held.difference(sids))
-            sync_core(core, sids, tx.lock(sids))
+            refresh_core(core, tx, sids)
             ahead = True
             events: list[Event] = core.forget_source(identity, now) if restart else []
             for r in batch.sandboxes:
@@ -478,8 +496,10 @@ def ingest_batch(
             tx.claim(identity, batch, decision)
             tx.note_applied(identity, now)
             tx.save(touched, events)
+            version = tx.written_version() if touched else 0
     except StoreError as e:
         if not ahead:
             raise
         raise CoreAhead(e.reason, e.detail) from e
+    core.mark_stored(touched, version)  # committed: the core holds these rows as written
     return decision, events

@@ -24,6 +24,13 @@ unknown sandbox, or whose last activity precedes the sandbox's current incarnati
 ``counters`` and dropped. A report whose last activity is no later than the sandbox's last stop is
 about the run that was stopped: its bytes are counted, but it changes no state and no open count.
 
+Stored versions: a store stamps every write of a sandbox's row with a version no other write had
+(``scheduler/store.py``), and the core keeps, per sandbox, the version its config and state equal (given
+to ``restore``, or by ``mark_stored`` after a write), so a store adapter can tell a row it must read again
+from one the core holds already by comparing versions alone. Every call that changes a sandbox forgets
+its version (None: unknown, read it again) until ``mark_stored``: a change that was never written can
+never pass for the stored row.
+
 Timers: one heap with lazy invalidation, at most one live entry per sandbox. A deadline that moves
 later (the common case: every report) leaves the entry where it is; when the entry reaches the top it
 is moved to the real deadline. So a report costs O(1), ``next_timer()`` is exact (never earlier or
@@ -35,6 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple
@@ -242,6 +250,7 @@ class _Sandbox:
     config: SandboxConfig
     st: SandboxState
     gen: int = 0  # the generation of its one live heap entry
+    stored: int | None = None  # the store's version of the row this config and state equal; None: unknown
     # That entry's time, None when it has none. Entries hold the object itself: a removed or
     # re-registered sandbox's entries are stale because the registry no longer maps its ID to it.
     heap_at: float | None = None
@@ -283,6 +292,7 @@ class TimerCore:
         old = self._sandboxes.get(config.sandbox)
         if old is not None and old.config.incarnation == config.incarnation:
             old.config = replace(config, registered_at=old.config.registered_at)
+            old.stored = None
             self._schedule(old)
             return []
         if old is not None:
@@ -301,13 +311,14 @@ class TimerCore:
         self._unindex(sb)
         return True
 
-    def restore(self, config: SandboxConfig, state: SandboxState) -> None:
+    def restore(self, config: SandboxConfig, state: SandboxState, stored: int | None = None) -> None:
         """Install a sandbox as a store saved it (after a restart); no event. ``state`` is taken as it is
-        (its ``open_connections`` should be the sum of its ``open_by``, as every state the core made is)."""
+        (its ``open_connections`` should be the sum of its ``open_by``, as every state the core made is).
+        ``stored``: the version of the row it was read from (``stored_version``), None if unknown."""
         old = self._sandboxes.get(config.sandbox)
         if old is not None:
             self._unindex(old)
-        sb = _Sandbox(config, _copy(state))
+        sb = _Sandbox(config, _copy(state), stored=stored)
         self._sandboxes[config.sandbox] = sb
         for source in sb.st.open_by:
             self._by_source.setdefault(source, set()).add(config.sandbox)
@@ -316,6 +327,21 @@ class TimerCore:
     def snapshot(self, sandbox: str) -> SandboxState:
         """A copy of a sandbox's state, for the store."""
         return _copy(self._get(sandbox).st)
+
+    def stored_version(self, sandbox: str) -> int | None:
+        """The version of the stored row this sandbox's config and state equal (``restore``,
+        ``mark_stored``); None when unknown: changed since, or not registered here."""
+        sb = self._sandboxes.get(sandbox)
+        return None if sb is None else sb.stored
+
+    def mark_stored(self, sandboxes: Iterable[str], version: int) -> None:
+        """These sandboxes' rows were written, as the core holds them now, with ``version`` (after the
+        commit). Those not registered here are left out."""
+        get = self._sandboxes.get
+        for sid in sandboxes:
+            sb = get(sid)
+            if sb is not None:
+                sb.stored = version
 
     def has_state(self, sandbox: str, state: SandboxState) -> bool:
         """Whether the sandbox's state equals ``state`` (``snapshot(sandbox) == state`` without the copy)."""
@@ -360,6 +386,7 @@ class TimerCore:
             return []
         if bytes_in < 0 or bytes_out < 0 or open_connections < 0:
             raise LocalProtocolError("bad_report", "negative count")
+        sb.stored = None
         st = sb.st
         st.bytes_in += bytes_in
         st.bytes_out += bytes_out
@@ -397,6 +424,7 @@ class TimerCore:
             return []
         for sid in sids:
             sb = self._sandboxes[sid]  # the index names registered sandboxes only
+            sb.stored = None
             st = sb.st
             del st.open_by[source]
             st.open_connections = sum(st.open_by.values())
@@ -424,7 +452,7 @@ class TimerCore:
         is active again."""
         if not (math.isfinite(ttl_s) and ttl_s > 0):
             raise LocalProtocolError("bad_hold", f"ttl_s must be positive, not {ttl_s!r}")
-        sb = self._get(sandbox)
+        sb = self._changing(sandbox)
         st = sb.st
         until = now + ttl_s
         if st.hold_until is None or until > st.hold_until:
@@ -494,7 +522,7 @@ class TimerCore:
         """The gateway's wake. Idle or stopped: -> ``waking`` and ask the driver to start it. Waking:
         coalesced, the driver is not asked again. Stopping: the stop fence, back to ``active``. Active:
         nothing to do."""
-        sb = self._get(sandbox)
+        sb = self._changing(sandbox)
         ev = self._step(sb, Input.WAKE, now)
         self._schedule(sb)
         if ev is None:
@@ -505,7 +533,7 @@ class TimerCore:
         """The driver announces it is stopping the sandbox. Allowed from ``idle`` (-> ``stopping``);
         a stopping or stopped sandbox answers proceed=True with no event; an active or waking one
         proceed=False (traffic or a wake came first: do not stop it)."""
-        sb = self._get(sandbox)
+        sb = self._changing(sandbox)
         sb.st.fenced = False
         ev = self._step(sb, Input.STOPPING, now)
         proceed = sb.st.state in (State.STOPPING, State.STOPPED)
@@ -516,7 +544,7 @@ class TimerCore:
         -> ``stopped``. If a stop fence had sent it back to ``active`` (the stop went through anyway),
         it goes on to ``waking`` and the driver is asked to start it. Waking: the state stays (the
         driver has the start request), but a failed start now returns to ``stopped``."""
-        sb = self._get(sandbox)
+        sb = self._changing(sandbox)
         st = sb.st
         fenced = st.fenced and st.state is State.ACTIVE
         st.stopped_at = now
@@ -536,14 +564,14 @@ class TimerCore:
     def driver_ready(self, sandbox: str, now: float) -> list[Event]:
         """The driver says the sandbox runs: waking, stopped or stopping -> ``active`` (its idle period
         starts now). Idle or active: nothing changes."""
-        sb = self._get(sandbox)
+        sb = self._changing(sandbox)
         ev = self._step(sb, Input.READY, now)
         self._schedule(sb)
         return [] if ev is None else [ev]
 
     def driver_failed(self, sandbox: str, now: float) -> list[Event]:
         """The driver could not start it: waking -> the state the wake came from (idle or stopped)."""
-        sb = self._get(sandbox)
+        sb = self._changing(sandbox)
         ev = self._step(sb, Input.FAILED, now)
         return [] if ev is None else [ev]
 
@@ -580,8 +608,15 @@ class TimerCore:
             raise UnknownSandbox(sandbox)
         return sb
 
+    def _changing(self, sandbox: str) -> _Sandbox:
+        """``_get`` for a call that may change the sandbox: its stored version is forgotten."""
+        sb = self._get(sandbox)
+        sb.stored = None
+        return sb
+
     def _step(self, sb: _Sandbox, inp: Input, now: float) -> Event | None:
         """Apply ``TRANSITIONS`` for one input; the one place a state changes. Returns its event."""
+        sb.stored = None
         st = sb.st
         key = (st.state, inp)
         if key not in TRANSITIONS:

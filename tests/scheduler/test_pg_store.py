@@ -224,7 +224,19 @@ CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
 """
 
 
-def test_a_version_1_schema_is_migrated_with_its_rows(dsn: str, stores: list[PgStore]) -> None:
+# What version 2 added to version 1, as it wrote it.
+SCHEMA_V2_OVER_V1 = """
+ALTER TABLE sandboxes ADD COLUMN open_by TEXT NOT NULL DEFAULT '{}';
+UPDATE sandboxes SET open_by = '{"":' || open_connections || '}' WHERE open_connections > 0;
+CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}';
+ALTER TABLE feed_ledger ADD COLUMN applied_at DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE feed_ledger ADD COLUMN counts_forgotten BOOLEAN NOT NULL DEFAULT false;
+UPDATE schema_version SET version = 2;
+"""
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_schema_is_migrated_with_its_rows(dsn: str, stores: list[PgStore], version: int) -> None:
     body = push_registration(reg(activity="connections")).decode()
     with psycopg.connect(dsn) as c:
         for stmt in SCHEMA_V1.split(";"):
@@ -235,6 +247,10 @@ def test_a_version_1_schema_is_migrated_with_its_rows(dsn: str, stores: list[PgS
         c.execute(sql, ("sbx-a", body, "active", 2))
         c.execute(sql, ("sbx-b", body, "idle", 0))
         c.execute("INSERT INTO feed_ledger VALUES (%s, %s, %s, 3)", (FWD, E1, epoch_start_ns(E1)))
+        if version == 2:
+            for stmt in SCHEMA_V2_OVER_V1.split(";"):
+                if stmt.strip():
+                    c.execute(stmt)
     made = both(lambda: PgStore(dsn), lambda: PgStore(dsn))  # two replicas starting: migrated once
     stores += made
     store = made[0]
@@ -246,7 +262,10 @@ def test_a_version_1_schema_is_migrated_with_its_rows(dsn: str, stores: list[PgS
     with store.transaction() as tx:
         assert tx.open_from(UNATTRIBUTED) == ["sbx-a"] and tx.stale_sources(1.0) == [FWD]
     core = load_core(store)
+    assert {r.sandbox: r.version for r in store.sandboxes()} == {"sbx-a": 0, "sbx-b": 0}
     assert ingest_batch(core, store, FWD, batch(E1, 4, ("sbx-b", 1, 1)), 500.0)[0].apply
+    versions = {r.sandbox: r.version for r in store.sandboxes()}
+    assert versions["sbx-a"] == 0 and versions["sbx-b"] >= 1 and core.stored_version("sbx-b") == versions["sbx-b"]
     with store.transaction() as tx:
         assert tx.stale_sources(400.0) == []
     with store.transaction() as tx:  # open_from can read the partial index (on two rows a scan is cheaper)

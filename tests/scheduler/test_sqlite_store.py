@@ -149,10 +149,21 @@ CREATE INDEX events_webhook_due ON events (id) WHERE webhook = 1;
 """
 
 
+# What version 3 added to version 2 (open counts per source, the ledger's last-applied time), as it wrote it.
+SCHEMA_V3_OVER_V2 = """
+ALTER TABLE sandboxes ADD COLUMN open_by TEXT NOT NULL DEFAULT '{}';
+UPDATE sandboxes SET open_by = '{"":' || open_connections || '}' WHERE open_connections > 0;
+CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}';
+ALTER TABLE feed_ledger ADD COLUMN applied_at REAL NOT NULL DEFAULT 0;
+ALTER TABLE feed_ledger ADD COLUMN counts_forgotten INTEGER NOT NULL DEFAULT 0;
+UPDATE schema_version SET version = 3;
+"""
+
+
 def old_file(db: Path, version: int) -> None:
-    """A file as version 1 or 2 left it: sbx-a active with two connections open (one count, no source),
-    sbx-b idle with none, a ledger record, and sbx-a's idle event due to the webhook."""
-    schema = SCHEMA_V2 if version == 2 else SCHEMA_V2.replace(",\n    claimed_by TEXT, claimed_until REAL", "")
+    """A file as version 1, 2 or 3 left it: sbx-a active with two connections open (one count, no source
+    before version 3), sbx-b idle with none, a ledger record, and sbx-a's idle event due to the webhook."""
+    schema = SCHEMA_V2 if version >= 2 else SCHEMA_V2.replace(",\n    claimed_by TEXT, claimed_until REAL", "")
     body = push_registration(reg(activity="connections")).decode()
     c = sqlite3.connect(db)
     c.executescript(schema)
@@ -164,10 +175,12 @@ def old_file(db: Path, version: int) -> None:
     c.execute("INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) "
               "VALUES ('sbx-b', 'inc-1', 'active', 'idle', 400.0, 'idle_timer', 1)")
     c.commit()
+    if version == 3:
+        c.executescript(SCHEMA_V3_OVER_V2)
     c.close()
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_an_older_file_is_migrated_with_its_rows(db: Path, version: int) -> None:
     old_file(db, version)
     with SqliteStore(db) as store:
@@ -182,7 +195,12 @@ def test_an_older_file_is_migrated_with_its_rows(db: Path, version: int) -> None
             assert tx.stale_sources(1.0) == [FWD]  # applied_at 0: the service's start grace covers it
         core = load_core(store)
         assert core.holding(UNATTRIBUTED) == ["sbx-a"] and core.next_timer() is None  # held open; sbx-b idle
+        # Row versions: 0 for the rows there, handed out from 1.
+        assert {r.sandbox: r.version for r in store.sandboxes()} == {"sbx-a": 0, "sbx-b": 0}
+        assert core.stored_version("sbx-b") == 0
         assert ingest_batch(core, store, FWD, batch(E1, 4, ("sbx-b", 1, 1)), 500.0)[0].apply
+        assert {r.sandbox: r.version for r in store.sandboxes()} == {"sbx-a": 0, "sbx-b": 1}
+        assert core.stored_version("sbx-b") == 1
         with store.transaction() as tx:
             assert tx.stale_sources(400.0) == []
         (due,) = store.claim_webhooks("r1", 1001.0, 30.0)  # version 1's events got the claim columns

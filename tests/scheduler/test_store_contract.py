@@ -229,6 +229,88 @@ def test_events_after_in_order_with_increasing_ids(open_store: Opener) -> None:
     assert store.events_after(0, limit=2) == every[:2] and store.events_after(ids[-1]) == []
 
 
+# --- row versions --------------------------------------------------------------------------------------
+
+
+def versions(store: Store, *sids: str) -> dict[str, int]:
+    """The rows' versions, which ``lock_versions`` and ``lock`` agree on."""
+    with store.transaction() as tx:
+        got = tx.lock_versions(sids)
+        assert got == {sid: row.version for sid, row in tx.lock(sids).items()}
+        return got
+
+
+def test_every_write_stamps_its_rows_with_a_version_no_other_write_had(open_store: Opener) -> None:
+    """One version per writing transaction, whichever store object wrote; a row removed and registered
+    again never gets a version back that it had (a core holding that version would take it for its own)."""
+    a, b = open_store(), open_store()
+    core = TimerCore()
+    register(core, a, "sbx-a", reg(), 1.0)
+    register(core, b, "sbx-b", reg(), 1.0)
+    first = versions(a, "sbx-a", "sbx-b", "nope")
+    assert sorted(first) == ["sbx-a", "sbx-b"] and first["sbx-a"] != first["sbx-b"]
+    with b.transaction() as tx:
+        assert tx.lock_versions([]) == {}
+        tx.save({"sbx-a": core.snapshot("sbx-a"), "sbx-b": core.snapshot("sbx-b")}, [])
+        written = tx.written_version()
+        assert tx.written_version() == written  # one per transaction
+    assert versions(a, "sbx-a", "sbx-b") == {"sbx-a": written, "sbx-b": written}
+    assert written not in first.values()
+    had = {first["sbx-a"], written}
+    assert a.remove_registration("sbx-a")
+    again = set()
+    for i in range(4):  # a new row for sbx-a, written again and again from either store object
+        register(core, (a, b)[i % 2], "sbx-a", reg(f"inc-{i}"), 2.0 + i)
+        again.add(versions(b, "sbx-a")["sbx-a"])
+    assert len(again) == 4 and not again & had
+    assert load_core(a).stored_version("sbx-a") == versions(a, "sbx-a")["sbx-a"]
+
+
+def test_a_batch_reads_in_full_only_the_rows_another_writer_changed(
+    open_store: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ingest_batch compares versions: with one writer it reads no row in full; a row another store object
+    wrote (a hold) or removed and registered again (a new incarnation) is read, and the batch applies to
+    what the store holds."""
+    a, core_a = with_sandboxes(open_store, "sbx-a", "sbx-b", "sbx-c")
+    b = open_store()
+    with a.transaction() as tx:
+        tx_class = type(tx)
+    read: list[list[str]] = []
+    real_lock = tx_class.lock
+
+    def lock(self: Any, sandboxes: Any) -> Any:
+        read.append(sorted(sandboxes))
+        return real_lock(self, sandboxes)
+
+    monkeypatch.setattr(tx_class, "lock", lock)
+    every = ("sbx-a", "sbx-b", "sbx-c")
+    assert ingest_batch(core_a, a, FWD, batch(E1, 1, *((s, 10, 10) for s in every)), 200.0)[0].apply
+    assert read == [list(every)]  # register() left the core's versions unknown: read once
+    read.clear()
+    assert ingest_batch(core_a, a, FWD, batch(E1, 2, *((s, 10, 10) for s in every)), 201.0)[0].apply
+    assert read == []  # one writer: versions only
+    core_b = load_core(b)
+    register(core_b, b, "sbx-a", reg("inc-2"), 300.0)  # a new incarnation
+    with b.transaction() as tx:
+        sync_core(core_b, ["sbx-b"], tx.lock(["sbx-b"]))
+        held = core_b.hold("sbx-b", 1000.0, 300.0)
+        tx.save({"sbx-b": core_b.snapshot("sbx-b")}, held.events)
+    read.clear()
+    assert ingest_batch(core_a, a, FWD, batch(E1, 3, *((s, 1, 2) for s in every)), 400.0)[0].apply
+    assert read == [["sbx-a", "sbx-b"]]
+    rows = {r.sandbox: r for r in a.sandboxes()}
+    assert rows["sbx-a"].registration.incarnation == core_a.config("sbx-a").incarnation == "inc-2"
+    assert (rows["sbx-a"].state.bytes_in, rows["sbx-a"].state.bytes_out) == (1, 2)  # the new incarnation's
+    assert rows["sbx-b"].state.hold_until == 1300.0 and totals(a)["sbx-b"] == totals(a)["sbx-c"] == (21, 22)
+    for sid, row in rows.items():
+        assert core_a.snapshot(sid) == row.state and core_a.stored_version(sid) == row.version
+    read.clear()
+    assert a.remove_registration("sbx-c")
+    assert ingest_batch(core_a, a, FWD, batch(E1, 4, *((s, 1, 1) for s in every)), 401.0)[0].apply
+    assert read == [] and "sbx-c" not in core_a and core_a.counters["report_unknown_sandbox"] == 1
+
+
 # --- the ledger through ingest_batch -------------------------------------------------------------------
 
 

@@ -205,6 +205,48 @@ def test_restore_rebuilds_the_index_and_a_restored_row_replaces_it() -> None:
     assert again.status_of("sbx-1", 2.0).open_connections == 3
 
 
+def test_the_stored_version_is_kept_until_a_change_and_set_again_by_mark_stored() -> None:
+    """A store compares versions instead of rows (``stored_version``): every call that can change a
+    sandbox forgets its version, and what only reads keeps it."""
+    cfg = SandboxConfig("sbx-1", "inc-1", 10.0, Activity.CONNECTIONS, registered_at=0.0)
+    states = {
+        "active": SandboxState(0.0, ACTIVE, 0.0, open_connections=1, open_by={"fwd#0": 1}),
+        "idle": SandboxState(0.0, IDLE),
+        "waking": SandboxState(0.0, WAKING, wake_from=IDLE),
+    }
+    changes = [
+        ("active", lambda c: c.on_report("sbx-1", 1, 0, 1, 1.0, 1.0, "fwd#0")),
+        ("active", lambda c: c.on_report("sbx-1", 0, 0, 0, 1.0, 1.0, "fwd#0")),
+        ("active", lambda c: c.forget_source("fwd#0", 1.0)),
+        ("active", lambda c: c.hold("sbx-1", 5.0, 1.0)),
+        ("idle", lambda c: c.wake("sbx-1", 1.0)),
+        ("idle", lambda c: c.driver_stopping("sbx-1", 1.0)),
+        ("active", lambda c: c.driver_stopped("sbx-1", 1.0)),
+        ("waking", lambda c: c.driver_ready("sbx-1", 1.0)),
+        ("waking", lambda c: c.driver_failed("sbx-1", 1.0)),
+        ("active", lambda c: c.register(dataclasses.replace(cfg, idle_period_s=20.0), 1.0)),
+    ]
+    for kind, change in changes:
+        core = TimerCore()
+        core.restore(cfg, states[kind], stored=7)
+        assert core.stored_version("sbx-1") == 7
+        change(core)
+        assert core.stored_version("sbx-1") is None, change
+        core.mark_stored(["sbx-1", "nope"], 8)
+        assert core.stored_version("sbx-1") == 8 and core.stored_version("nope") is None
+    core = TimerCore()
+    core.restore(dataclasses.replace(cfg, activity=Activity.BYTES), SandboxState(0.0), stored=7)
+    assert core.on_timer(9.0) == [] and core.stored_version("sbx-1") == 7  # not due yet
+    assert moves(core.on_timer(10.0)) == [("sbx-1", ACTIVE, IDLE, Why.IDLE_TIMER)]
+    assert core.stored_version("sbx-1") is None
+    core.restore(cfg, states["active"], stored=7)
+    core.snapshot("sbx-1"), core.status(1.0), core.next_timer(), core.due(1.0), core.holding("fwd#0")
+    assert core.on_report("nope", 1, 1, 0, 1.0, 1.0) == []
+    assert core.on_report("sbx-1", 1, 1, 0, -1.0, 1.0) == []  # before this incarnation: dropped
+    assert core.stored_version("sbx-1") == 7 and core.snapshot("sbx-1").bytes_in == 0
+    assert core.remove("sbx-1") and core.stored_version("sbx-1") is None
+
+
 def test_connections_policy_open_report_wakes_an_idle_sandbox() -> None:
     core = core_with(period=10.0, activity=Activity.CONNECTIONS)
     go_idle(core)
