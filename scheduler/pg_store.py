@@ -68,6 +68,7 @@ from sbxnet.protocol.feed import Batch, epoch_start_ns
 from sbxnet.protocol.routes import Registration, push_registration
 from scheduler.feed_ledger import Decision, Stored
 from scheduler.store import (
+    METER_COLUMNS,
     STATE_COLUMNS,
     WEBHOOK_DONE,
     WEBHOOK_DUE,
@@ -81,6 +82,7 @@ from scheduler.store import (
     check_lease,
     event_of,
     event_row,
+    meter_row,
     state_of,
     state_row,
 )
@@ -166,6 +168,12 @@ _SAVE = (
     f"UPDATE sandboxes AS s SET {', '.join(f'{c} = v.{c}' for c in STATE_COLUMNS)}, row_version = %s "
     f"FROM unnest(%b::text[], {', '.join(f'%b::{t}[]' for t in _STATE_TYPES)}) "
     f"AS v(sandbox, {', '.join(STATE_COLUMNS)}) WHERE s.sandbox = v.sandbox"
+)
+_METER_TYPES = ("float8", "int8", "int8", "int8", "text")
+_SAVE_METERS = (
+    f"UPDATE sandboxes AS s SET {', '.join(f'{c} = v.{c}' for c in METER_COLUMNS)}, row_version = %s "
+    f"FROM unnest(%b::text[], {', '.join(f'%b::{t}[]' for t in _METER_TYPES)}) "
+    f"AS v(sandbox, {', '.join(METER_COLUMNS)}) WHERE s.sandbox = v.sandbox"
 )
 _INSERT_EVENT = (
     "INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) "
@@ -269,6 +277,13 @@ class PgTx:
             columns += [list(c) for c in zip(*(state_row(st) for st in updates.values()), strict=True)]
             self.execute(_SAVE, columns)
         return self._insert_events(events)
+
+    def save_meters(self, updates: Mapping[str, SandboxState]) -> None:
+        if updates:
+            version = self.written_version()
+            columns: list[object] = [version, list(updates)]
+            columns += [list(c) for c in zip(*(meter_row(st) for st in updates.values()), strict=True)]
+            self.execute(_SAVE_METERS, columns)
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
         rec = check_apply(batch, decision)

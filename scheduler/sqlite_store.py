@@ -50,6 +50,7 @@ from sbxnet.protocol.feed import Batch, epoch_start_ns
 from sbxnet.protocol.routes import Registration, push_registration
 from scheduler.feed_ledger import Decision, Stored
 from scheduler.store import (
+    METER_COLUMNS,
     STATE_COLUMNS,
     WEBHOOK_DONE,
     WEBHOOK_DUE,
@@ -63,6 +64,7 @@ from scheduler.store import (
     check_lease,
     event_of,
     event_row,
+    meter_row,
     state_of,
     state_row,
 )
@@ -146,6 +148,9 @@ _UPDATE_STATE = (
 _PUT = (
     "INSERT OR REPLACE INTO sandboxes (sandbox, incarnation, registration, registered_at, row_version, "
     f"{', '.join(STATE_COLUMNS)}) VALUES ({', '.join('?' * (5 + len(STATE_COLUMNS)))})"
+)
+_UPDATE_METERS = (
+    f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in METER_COLUMNS)}, row_version = ? WHERE sandbox = ?"
 )
 _NEXT_VERSION = "UPDATE row_versions SET last = last + 1 RETURNING last"
 _INSERT_EVENT = (
@@ -235,6 +240,11 @@ class SqliteTx:
             version = self.written_version()
             c.executemany(_UPDATE_STATE, [(*state_row(st), version, sid) for sid, st in updates.items()])
         return self._insert_events(c, events)
+
+    def save_meters(self, updates: Mapping[str, SandboxState]) -> None:
+        if updates:
+            version = self.written_version()
+            self._c().executemany(_UPDATE_METERS, [(*meter_row(st), version, sid) for sid, st in updates.items()])
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
         rec = check_apply(batch, decision)

@@ -58,7 +58,7 @@ from sbxnet.errors import EnvironmentFault, LocalProtocolError
 from sbxnet.protocol.feed import Batch
 from sbxnet.protocol.routes import Registration, RouteError, pull_registration
 from scheduler.feed_ledger import Decision, Stored, decide
-from scheduler.timers import Activity, Event, SandboxConfig, SandboxState, State, TimerCore, Why
+from scheduler.timers import METER_FIELDS, Activity, Event, SandboxConfig, SandboxState, State, TimerCore, Why
 
 
 class StoreError(EnvironmentFault):
@@ -135,6 +135,12 @@ class Tx(Protocol):
         """The timer core's states for the sandboxes an operation changed (timers, holds, wake, driver, a
         batch) and its events. A state whose sandbox is not stored is not written (it was removed
         meanwhile). Returns the events' ids, increasing in the order given."""
+        ...
+
+    def save_meters(self, updates: Mapping[str, SandboxState]) -> None:
+        """``save`` of states that differ from their rows in ``METER_COLUMNS`` alone (a batch's sandboxes
+        that made no event, their rows read or known by version under this transaction's lock): only
+        those columns are written, with the version. The caller must know the rest is what the row holds."""
         ...
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
@@ -298,6 +304,7 @@ STATE_COLUMNS = (
     "state", "active_since", "last_activity", "bytes_in", "bytes_out", "open_connections", "hold_until",
     "stopped_at", "wake_from", "fenced", "open_by",
 )
+METER_COLUMNS = METER_FIELDS  # the columns Tx.save_meters writes, in this order (meter_row)
 WEBHOOK_NONE, WEBHOOK_DUE, WEBHOOK_DONE = 0, 1, 2  # events.webhook
 # The source of the open counts a store kept before they were kept per source (a migrated row's single
 # count), and of reports from a caller that names none. The service forgets it once, after its start.
@@ -347,6 +354,11 @@ def state_row(st: SandboxState) -> tuple[object, ...]:
         st.hold_until, st.stopped_at, None if st.wake_from is None else st.wake_from.value, bool(st.fenced),
         open_by_text(st.open_by),
     )
+
+
+def meter_row(st: SandboxState) -> tuple[object, ...]:
+    """A state's values in ``METER_COLUMNS`` order."""
+    return st.last_activity, st.bytes_in, st.bytes_out, st.open_connections, open_by_text(st.open_by)
 
 
 def state_of(sandbox: str, row: Sequence[Any]) -> SandboxState:
@@ -492,10 +504,15 @@ def ingest_batch(
             events: list[Event] = core.forget_source(identity, now) if restart else []
             for r in batch.sandboxes:
                 events += core.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, now - r.idle_s, now, identity)
-            touched = {sid: core.snapshot(sid) for sid in sids if sid in core}
             tx.claim(identity, batch, decision)
             tx.note_applied(identity, now)
-            tx.save(touched, events)
+            # The core's own states, not copies: written at once. A sandbox with no event changed only
+            # its meters (TimerCore.on_report, forget_source), and the rest of its row is what the core
+            # holds (read, or known by version, under this lock): those columns alone are written.
+            state, moved = core.state, {ev.sandbox for ev in events}
+            touched = [sid for sid in sids if sid in core]
+            tx.save({sid: state(sid) for sid in touched if sid in moved}, events)
+            tx.save_meters({sid: state(sid) for sid in touched if sid not in moved})
             version = tx.written_version() if touched else 0
     except StoreError as e:
         if not ahead:

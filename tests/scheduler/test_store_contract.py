@@ -266,6 +266,23 @@ def test_every_write_stamps_its_rows_with_a_version_no_other_write_had(open_stor
     assert load_core(a).stored_version("sbx-a") == versions(a, "sbx-a")["sbx-a"]
 
 
+def test_save_meters_writes_only_the_meters_and_the_version(open_store: Opener) -> None:
+    store, core = with_sandboxes(open_store, "sbx-a", "sbx-b")
+    core.on_report("sbx-a", 5, 6, 2, 150.0, 150.0, "fwd#0")
+    meters = core.snapshot("sbx-a")
+    meters.state, meters.hold_until, meters.fenced = State.IDLE, 999.0, True  # not meters: not written
+    before = {r.sandbox: r for r in store.sandboxes()}
+    with store.transaction() as tx:
+        tx.save_meters({"sbx-a": meters, "ghost": meters})
+        tx.save_meters({})
+        written = tx.written_version()
+    after = {r.sandbox: r for r in open_store().sandboxes()}
+    assert sorted(after) == ["sbx-a", "sbx-b"] and after["sbx-b"] == before["sbx-b"]
+    assert after["sbx-a"].version == written != before["sbx-a"].version
+    assert after["sbx-a"].state == core.snapshot("sbx-a")  # the meters, and the rest as it was
+    assert (after["sbx-a"].state.open_by, after["sbx-a"].state.last_activity) == ({"fwd#0": 2}, 150.0)
+
+
 def test_a_batch_reads_in_full_only_the_rows_another_writer_changed(
     open_store: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from sbxnet.errors import LocalProtocolError
 from scheduler.timers import (
+    METER_FIELDS,
     TRANSITIONS,
     Activity,
     Event,
@@ -38,6 +39,11 @@ def core_with(
     core = TimerCore()
     core.register(SandboxConfig(sid, "inc-1", period, activity, registered_at=now), now)
     return core
+
+
+def besides_meters(state: SandboxState) -> dict[str, object]:
+    """What a report or a forgotten source may change only with an event (a store writes the rest alone)."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in METER_FIELDS}
 
 
 def moves(events: list[Event]) -> list[tuple[str, State | None, State, Why]]:
@@ -718,7 +724,10 @@ class TimerMachine(RuleBasedStateMachine):
         last = self.now - age
         unknown = self.core.counters["report_unknown_sandbox"]
         stale = self.core.counters["report_stale_incarnation"]
+        before = self.core.snapshot(sid) if sid in self.core else None
         events = self.core.on_report(sid, b_in, b_out, open_, last, self.now, source)
+        if before is not None and not events:
+            assert besides_meters(self.core.snapshot(sid)) == besides_meters(before)
         m = self.models.get(sid)
         if m is None:
             assert self.core.counters["report_unknown_sandbox"] == unknown + 1
@@ -853,7 +862,9 @@ class TimerMachine(RuleBasedStateMachine):
         pick_held = bool(held) and data.draw(st.booleans())
         source = data.draw(st.sampled_from(held if pick_held else list(SOURCES)))
         self.now += data.draw(st.sampled_from((0.25, 1.0, 0.0)))
+        before = {sid: besides_meters(self.core.snapshot(sid)) for sid in self.models}
         self.check(self.core.forget_source(source, self.now), [])
+        assert {sid: besides_meters(self.core.snapshot(sid)) for sid in self.models} == before
         for m in self.models.values():
             if m.open_by.pop(source, 0) and m.open == 0 and m.policy is Activity.CONNECTIONS and m.state is ACTIVE:
                 m.last = self.now if m.last is None else max(m.last, self.now)
