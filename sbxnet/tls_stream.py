@@ -2,7 +2,7 @@
 
 asyncio's own SSL transports cannot half-close (``can_write_eof()`` is False), and the gateway must
 forward a half-close as a half-close: ``write_eof`` sends close_notify, then a TCP FIN, and reading
-goes on. So OpenSSL only ever sees memory BIOs, and we move the ciphertext with ``sock_recv`` /
+goes on. So OpenSSL only ever sees memory BIOs, and we move the ciphertext with ``recv_into`` /
 ``sock_sendall``.
 
 One task may read while another writes. Ciphertext leaves the outgoing BIO in order: whoever holds
@@ -18,18 +18,33 @@ import asyncio
 import socket
 import ssl
 import struct
+import threading
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
 _T = TypeVar("_T")
 
 RECV_SIZE = 256 * 1024
+MAX_PLAIN_RECORD = 16384  # a TLS record's plaintext at most (RFC 8446 5.1): one SSL_read's worth
 # Plaintext handed to OpenSSL per write: bounds the ciphertext held in the outgoing BIO.
 WRITE_CHUNK = 256 * 1024
 # How long a failed handshake waits to deliver OpenSSL's alert before closing.
 ALERT_GRACE = 0.5
 
 Eof = Literal["close_notify", "tcp_eof"]
+
+
+_local = threading.local()
+
+
+def _scratch() -> memoryview:
+    """This thread's receive buffer (each event loop runs in one thread; ``recv_into`` lets go of the GIL)."""
+    try:
+        return _local.scratch  # type: ignore[no-any-return]
+    except AttributeError:
+        _local.scratch = memoryview(bytearray(RECV_SIZE))
+        return _local.scratch  # type: ignore[no-any-return]
 
 
 class TlsStream:
@@ -50,7 +65,10 @@ class TlsStream:
         self._outgoing = outgoing
         self._loop = asyncio.get_running_loop()
         self._send_lock = asyncio.Lock()
-        self._plain = bytearray()
+        # Decrypted records not yet read, in order; a partly read one is cut, never copied into a
+        # growing buffer (a large body would be copied over and over).
+        self._plain: deque[bytes] = deque()
+        self._buffered = 0
         self._rx_error: BaseException | None = None
         self._write_closed = False
         self._closed = False
@@ -104,10 +122,8 @@ class TlsStream:
                 break
             except ssl.SSLWantReadError:
                 await self._flush()
-                data = await self._recv()
-                if not data:
+                if not await self._fill():
                     raise ConnectionAbortedError("eof during the TLS handshake") from None
-                self._incoming.write(data)
             except ssl.SSLError:
                 # Best effort: let the peer see OpenSSL's alert.
                 try:
@@ -131,27 +147,49 @@ class TlsStream:
         (session tickets, key updates) are consumed here, and whatever OpenSSL answers is sent.
         A reset or a TLS error (the peer's alert, a bad record) raises OSError / ssl.SSLError."""
         while True:
-            if self._plain:
-                out = bytes(self._plain[:n])
-                del self._plain[:n]
-                return out
+            if self._buffered:
+                return self._take(n)
             if self._rx_error is not None:
                 raise self._rx_error
             if self.eof is not None:
                 return b""
             if self._incoming.pending:
                 self._drain()
-                if self._plain or self.eof is not None or self._rx_error is not None:
+                if self._buffered or self.eof is not None or self._rx_error is not None:
                     continue
-            data = await self._recv()
-            if not data:
+            if not await self._fill():
                 self.eof = "tcp_eof"
                 self._incoming.write_eof()
                 continue
-            self._incoming.write(data)
             self._drain()
             if self._outgoing.pending:
                 await self._flush()
+
+    def _take(self, n: int) -> bytes:
+        """Up to ``n`` buffered bytes: a whole record as it is when it fits, else one join."""
+        plain = self._plain
+        first = plain[0]
+        if len(first) >= n or len(plain) == 1:
+            if len(first) > n:
+                plain[0] = first[n:]
+                first = first[:n]
+            else:
+                plain.popleft()
+            self._buffered -= len(first)
+            return first
+        parts = []
+        size = 0
+        while plain and size + len(plain[0]) <= n:
+            chunk = plain.popleft()
+            parts.append(chunk)
+            size += len(chunk)
+        if plain and size < n:
+            chunk = plain[0]
+            parts.append(chunk[: n - size])
+            plain[0] = chunk[n - size :]
+            size = n
+        self._buffered -= size
+        return b"".join(parts)
 
     def usable_idle(self) -> bool:
         """For a stream kept open with nothing sent on it yet (the gateway's warm pool): take, without
@@ -161,29 +199,30 @@ class TlsStream:
         Not while a ``read`` is waiting: the two would race for the socket's bytes."""
         if self._closed or self.eof is not None or self._rx_error is not None:
             return False
+        scratch = _scratch()
         while True:
             try:
-                data = self.sock.recv(RECV_SIZE)
+                got = self.sock.recv_into(scratch)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
                 self._rx_error = e
                 return False
-            if not data:
+            if not got:
                 self.eof = "tcp_eof"
                 self._incoming.write_eof()
                 break
-            self._incoming.write(data)
+            self._incoming.write(scratch[:got])
         self._drain()
-        return self.eof is None and self._rx_error is None and not self._plain
+        return self.eof is None and self._rx_error is None and not self._buffered
 
     def _drain(self) -> None:
-        """Decrypt every complete record in the incoming BIO into ``_plain``."""
+        """Decrypt every complete record in the incoming BIO onto ``_plain``."""
         if self.eof is not None or self._rx_error is not None:
             return
         while True:
             try:
-                chunk = self.ssl_object.read(RECV_SIZE)
+                chunk = self.ssl_object.read(MAX_PLAIN_RECORD)
             except ssl.SSLWantReadError:
                 return
             except ssl.SSLZeroReturnError:
@@ -195,7 +234,8 @@ class TlsStream:
             if not chunk:
                 self.eof = "close_notify"
                 return
-            self._plain += chunk
+            self._plain.append(chunk)
+            self._buffered += len(chunk)
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -240,12 +280,35 @@ class TlsStream:
         if n < len(data):
             await self._wait(self._loop.sock_sendall(self.sock, memoryview(data)[n:]))
 
-    async def _recv(self) -> bytes:
+    async def _fill(self) -> int:
+        """Move what the socket has (waiting until it has something) into the incoming BIO; 0 at end of
+        stream. Read into a scratch buffer and copied into the BIO at once, with no await between, so one
+        buffer per thread serves every stream."""
+        scratch = _scratch()
+        while True:
+            try:
+                got = self.sock.recv_into(scratch)
+            except (BlockingIOError, InterruptedError):
+                await self._wait(self._readable())
+                continue
+            if got:
+                self._incoming.write(scratch[:got])
+            return got
+
+    async def _readable(self) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        fd = self.sock.fileno()
+        self._loop.add_reader(fd, ready)
         try:
-            return self.sock.recv(RECV_SIZE)
-        except (BlockingIOError, InterruptedError):
-            pass
-        return await self._wait(self._loop.sock_recv(self.sock, RECV_SIZE))
+            await fut
+        finally:
+            if self.sock.fileno() == fd:
+                self._loop.remove_reader(fd)
 
     async def _wait(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Await a socket operation as a task that ``close`` can end: a pending sock_recv or
