@@ -41,10 +41,10 @@ _local = threading.local()
 def _scratch() -> memoryview:
     """This thread's receive buffer (each event loop runs in one thread; ``recv_into`` lets go of the GIL)."""
     try:
-        return _local.scratch  # type: ignore[no-any-return]
+        return _local.scratch
     except AttributeError:
         _local.scratch = memoryview(bytearray(RECV_SIZE))
-        return _local.scratch  # type: ignore[no-any-return]
+        return _local.scratch
 
 
 class TlsStream:
