@@ -46,7 +46,8 @@ class Corpus:
 CORE_CASES = ("csum-offset-into-ip-dst*", "tcp-gso-on-udp*")
 # The idle feed's tricky bodies (tests/fuzz/make_feed_seeds.py): each must stay in its corpus.
 FEED_CASES = ("duplicate_sandbox-*", "bad_count-negative-*", "bad_seq-zero", "bad_json-nan-idle", "bad_seq-huge",
-              "unknown_field-*", "bad_type-*", "ok-golden-*")
+              "unknown_field-*", "bad_type-*", "ok-golden-*", "bad_length-*", "bad_sandbox_id-tricky-separator-*",
+              "bad_count-tricky-19-digits-over", "bad_idle-tricky-13-digits-over", "ok-rows-*", "*-rows-*")
 # The HTTP/2 frame size guard's boundaries (tests/fuzz/make_h2_frames_seeds.py): at the limit, one over it,
 # nothing judged before a header is whole or inside a client's preface, and a peer speaking SSH.
 H2_FRAMES_CASES = ("ok-*-at-limit", "too_large-*-one-over-limit*", "ok-*-half-a-header-*", "ok-*zero-length-frames",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import cast
 
 import pytest
 from feed_cases import (
@@ -15,6 +16,8 @@ from feed_cases import (
     EQUIVALENT,
     GOLDEN,
     RAND8,
+    ROW_REFUSALS,
+    ROWS,
     START_NS,
     body,
 )
@@ -25,6 +28,7 @@ from sbxnet.errors import LocalProtocolError, RemoteProtocolError
 from sbxnet.protocol import feed
 from sbxnet.protocol.feed import (
     COUNT_MAX,
+    IDLE_MS_MAX,
     IDLE_S_MAX,
     MAX_ANSWER_BYTES,
     MAX_BODY_BYTES,
@@ -33,6 +37,7 @@ from sbxnet.protocol.feed import (
     Batch,
     FeedError,
     SandboxReport,
+    are_sandbox_ids,
     epoch_is_newer,
     epoch_start_ns,
     is_epoch,
@@ -42,6 +47,7 @@ from sbxnet.protocol.feed import (
     pull_batch,
     push_answer,
     push_batch,
+    push_columns,
 )
 
 # --- golden bytes and equivalents ----------------------------------------------------------------------
@@ -56,16 +62,23 @@ def test_golden(name: str, batch: Batch, data: bytes) -> None:
 @pytest.mark.parametrize(("name", "batch", "data"), GOLDEN, ids=[g[0] for g in GOLDEN])
 def test_golden_agrees_with_json_module(name: str, batch: Batch, data: bytes) -> None:
     # An independent encoder as the oracle: json.dumps of the same object, compact, in the fixed key order.
-    obj = {
+    assert json.dumps(_as_json(batch), separators=(",", ":"), allow_nan=False).encode() == data
+    rs = batch.sandboxes
+    assert push_columns(batch.epoch, batch.seq, [r.sandbox for r in rs], [r.bytes_in for r in rs],
+                        [r.bytes_out for r in rs], [r.open for r in rs], [round(r.idle_s * 1000) for r in rs]) == data
+
+
+def _as_json(batch: Batch) -> dict[str, object]:
+    rs = batch.sandboxes
+    return {
         "epoch": batch.epoch,
         "seq": batch.seq,
-        "sandboxes": [
-            {"sandbox": r.sandbox, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "open": r.open,
-             "idle_s": float(r.idle_s)}
-            for r in batch.sandboxes
-        ],
+        "sandboxes": [r.sandbox for r in rs],
+        "bytes_in": [r.bytes_in for r in rs],
+        "bytes_out": [r.bytes_out for r in rs],
+        "open": [r.open for r in rs],
+        "idle_ms": [round(r.idle_s * 1000) for r in rs],
     }
-    assert json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() == data
 
 
 @pytest.mark.parametrize(("name", "batch", "data"), GOLDEN, ids=[g[0] for g in GOLDEN])
@@ -93,6 +106,19 @@ def test_equivalent_bodies(name: str, data: bytes, batch: Batch) -> None:
     assert pull_batch(push_batch(got)) == got
 
 
+@pytest.mark.parametrize(("name", "data", "batch"), ROWS, ids=[e[0] for e in ROWS])
+def test_the_row_form_is_pulled_and_pushed_as_columns(name: str, data: bytes, batch: Batch) -> None:
+    got = pull_batch(data)
+    assert got == batch
+    again = push_batch(got)
+    assert b'"idle_ms":[' in again and pull_batch(again) == got
+
+
+@pytest.mark.parametrize(("reason", "name", "data"), ROW_REFUSALS, ids=[f"{r}-{n}" for r, n, _ in ROW_REFUSALS])
+def test_the_row_form_is_refused_as_strictly(reason: str, name: str, data: bytes) -> None:
+    assert _reason(data) == reason
+
+
 def test_pull_takes_bytearray_and_memoryview() -> None:
     _name, batch, data = GOLDEN[0]
     assert pull_batch(bytearray(data)) == batch
@@ -101,9 +127,16 @@ def test_pull_takes_bytearray_and_memoryview() -> None:
 
 def test_negative_zero_idle_pushes_as_zero() -> None:
     b = Batch(EPOCH, 1, (SandboxReport("s", 0, 0, 0, -0.0),))
-    assert b'"idle_s":0.0}' in push_batch(b)
+    assert b'"idle_ms":[0]}' in push_batch(b)
     got = pull_batch(push_batch(b)).sandboxes[0].idle_s
     assert got == 0.0 and math.copysign(1.0, got) == 1.0
+
+
+def test_idle_s_pushes_to_the_nearest_ms() -> None:
+    b = Batch(EPOCH, 1, (SandboxReport("a", 0, 0, 0, 1 / 7), SandboxReport("b", 0, 0, 0, 0.0004999),
+                         SandboxReport("c", 0, 0, 0, 0.0015), SandboxReport("d", 0, 0, 0, IDLE_S_MAX)))
+    assert b'"idle_ms":[143,0,2,4294967296000]}' in push_batch(b)
+    assert [r.idle_s for r in pull_batch(push_batch(b)).sandboxes] == [0.143, 0.0, 0.002, IDLE_S_MAX]
 
 
 # --- refusals ------------------------------------------------------------------------------------------
@@ -136,16 +169,17 @@ def test_too_large() -> None:
 
 
 def test_too_many_sandboxes() -> None:
-    # Counted before any entry is judged, so the entries need not be valid.
-    for n, reason in ((MAX_SANDBOXES, "bad_type"), (MAX_SANDBOXES + 1, "too_many_sandboxes")):
-        data = b'{"epoch":"' + EPOCH.encode() + b'","seq":1,"sandboxes":[' + b",".join([b"0"] * n) + b"]}"
+    # Counted before the other arrays and any entry are judged, so they need not be valid.
+    for n, reason in ((MAX_SANDBOXES, "bad_length"), (MAX_SANDBOXES + 1, "too_many_sandboxes")):
+        data = (b'{"epoch":"' + EPOCH.encode() + b'","seq":1,"sandboxes":[' + b",".join([b"0"] * n)
+                + b'],"bytes_in":[],"bytes_out":[],"open":[],"idle_ms":[]}')
         with pytest.raises(FeedError) as ei:
             pull_batch(data)
         assert ei.value.reason == reason
 
 
 def test_the_largest_batch_fits_the_body_bound() -> None:
-    worst = SandboxReport("x" * 64, COUNT_MAX, COUNT_MAX, COUNT_MAX, 1.2345678901234567e-05)
+    worst = SandboxReport("x" * 64, COUNT_MAX, COUNT_MAX, COUNT_MAX, IDLE_S_MAX)
     entries = tuple(SandboxReport(f"{i:064d}", *list(vars(worst).values())[1:]) for i in range(MAX_SANDBOXES))
     data = push_batch(Batch("9223372036854775807-ffffffffffffffff", COUNT_MAX, entries))
     assert len(data) < MAX_BODY_BYTES * 0.7
@@ -157,8 +191,17 @@ def test_first_failing_check_names_the_reason() -> None:
     assert _reason(body({"extra": 1}, drop="seq")) == "unknown_field"
     assert _reason(body({"epoch": "x", "seq": 0})) == "bad_epoch"
     assert _reason(body({"seq": 0}, entry={"sandbox": ""})) == "bad_seq"
+    assert _reason(body({"seq": 0, "bytes_in": 5})) == "bad_seq"
+    assert _reason(body({"bytes_in": 5, "bytes_out": []})) == "bad_type"  # arrays before entries
+    assert _reason(body({"bytes_in": [], "bytes_out": 5})) == "bad_length"  # in key order
     assert _reason(body(entry={"sandbox": "", "bytes_in": -1})) == "bad_sandbox_id"
-    assert _reason(body(entry={"bytes_out": -1, "idle_s": -1})) == "bad_count"
+    assert _reason(body(entry={"bytes_out": -1, "idle_ms": -1})) == "bad_count"
+    # Entries in index order, each one's values in field order.
+    two = b'"bytes_in":[1,-1],"bytes_out":[1.5,1],"open":[0,0],"idle_ms":[0,0]}'
+    assert _reason(b'{"epoch":"' + EPOCH.encode() + b'","seq":3,"sandboxes":["a","b"],' + two) == "bad_type"
+    assert _reason(b'{"epoch":"' + EPOCH.encode() + b'","seq":3,"sandboxes":["a","a"],' + two) == "bad_type"
+    assert _reason(b'{"epoch":"' + EPOCH.encode() + b'","seq":3,"sandboxes":["a","a"],'
+                   + two.replace(b"1.5", b"1")) == "duplicate_sandbox"
 
 
 def test_details_carry_no_peer_text() -> None:
@@ -203,6 +246,59 @@ def test_push_refuses(batch: Batch, reason: str) -> None:
     assert ei.value.reason == reason
 
 
+_C = ("s", 1, 2, 3, 500)  # one valid entry: sandbox, bytes_in, bytes_out, open, idle_ms
+
+
+def _columns(*entries: tuple[object, ...]) -> list[list[object]]:
+    return [list(col) for col in zip(*entries, strict=True)] if entries else [[], [], [], [], []]
+
+
+@pytest.mark.parametrize(
+    ("columns", "reason"),
+    [
+        (_columns(("a b", *_C[1:])), "bad_sandbox_id"),
+        (_columns(('a","b', *_C[1:])), "bad_sandbox_id"),  # what would pass for two IDs in the joined text
+        (_columns(("", *_C[1:])), "bad_sandbox_id"),
+        (_columns(("x" * 65, *_C[1:])), "bad_sandbox_id"),
+        (_columns(("\u00e9", *_C[1:])), "bad_sandbox_id"),
+        (_columns(("\u00e9t\u00e9", *_C[1:])), "bad_sandbox_id"),
+        (_columns((b"s", *_C[1:])), "bad_type"),
+        (_columns((None, *_C[1:])), "bad_type"),
+        (_columns(_C, ("t", -1, 0, 0, 0)), "bad_count"),
+        (_columns(_C, ("t", 0, 2**63, 0, 0)), "bad_count"),
+        (_columns(_C, ("t", 0, 0, 1.0, 0)), "bad_type"),
+        (_columns(_C, ("t", 0, 0, True, 0)), "bad_type"),
+        (_columns(_C, ("t", "1", 0, 0, 0)), "bad_type"),
+        (_columns(_C, ("t", [1], 0, 0, 0)), "bad_type"),
+        (_columns(_C, ("t", 0, 0, 0, -1)), "bad_idle"),
+        (_columns(_C, ("t", 0, 0, 0, IDLE_MS_MAX + 1)), "bad_idle"),
+        (_columns(_C, ("t", 0, 0, 0, 0.5)), "bad_type"),
+        (_columns(_C, ("t", 0, 0, 0, math.nan)), "bad_type"),
+        (_columns(_C, ("t", 0, 0, 0, None)), "bad_type"),
+        ([["s"], [1], [2], [3], []], "bad_length"),
+        ([["s"], [1], [2], [3], "5"], "bad_type"),
+        ([("s",), (1,), (2,), (3,), None], "bad_type"),
+        ([[f"s{i}" for i in range(MAX_SANDBOXES + 1)], [], [], [], []], "too_many_sandboxes"),
+    ],
+)
+def test_push_columns_refuses(columns: list[list[object]], reason: str) -> None:
+    with pytest.raises(LocalProtocolError) as ei:
+        push_columns(EPOCH, 1, *columns)  # type: ignore[arg-type]
+    assert ei.value.reason == reason
+    if isinstance(columns[0], list):
+        ids_ok = all(type(v) is str and is_sandbox_id(v) for v in columns[0])
+        assert are_sandbox_ids(columns[0]) == ids_ok  # type: ignore[arg-type]
+
+
+def test_push_columns_takes_tuples_and_an_int_subclass_as_its_value() -> None:
+    class Big(int):
+        def __repr__(self) -> str:
+            return "1.5"
+
+    data = push_columns(EPOCH, 1, ("s",), (Big(7),), (2,), (3,), (500,))
+    assert pull_batch(data) == Batch(EPOCH, 1, (SandboxReport("s", 7, 2, 3, 0.5),))
+
+
 def test_push_refuses_a_non_batch() -> None:
     with pytest.raises(LocalProtocolError):
         push_batch(b"{}")  # type: ignore[arg-type]
@@ -227,14 +323,59 @@ batches = st.builds(
 @given(batches)
 def test_round_trip(batch: Batch) -> None:
     data = push_batch(batch)
-    assert pull_batch(data) == batch
-    assert json.loads(data) == {
-        "epoch": batch.epoch,
-        "seq": batch.seq,
-        "sandboxes": [vars(r) for r in batch.sandboxes],
-    }
+    # idle_s travels to the nearest millisecond; everything else as it is.
+    sent = Batch(batch.epoch, batch.seq, tuple(
+        SandboxReport(r.sandbox, r.bytes_in, r.bytes_out, r.open, round(r.idle_s * 1000) / 1000)
+        for r in batch.sandboxes
+    ))
+    assert pull_batch(data) == sent and push_batch(sent) == data
+    assert json.loads(data) == _as_json(batch)
     # Pretty-printed by another encoder, it means the same batch.
-    assert pull_batch(json.dumps(json.loads(data), indent=2).encode()) == batch
+    assert pull_batch(json.dumps(json.loads(data), indent=2).encode()) == sent
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches)
+def test_push_columns_gives_push_batchs_bytes(batch: Batch) -> None:
+    rs = batch.sandboxes
+    cols = ([r.sandbox for r in rs], [r.bytes_in for r in rs], [r.bytes_out for r in rs], [r.open for r in rs],
+            [round(r.idle_s * 1000) for r in rs])
+    assert push_columns(batch.epoch, batch.seq, *cols) == push_batch(batch)
+    assert are_sandbox_ids(cols[0])
+
+
+_anything = st.one_of(st.integers(-(2**64), 2**64), st.floats(), st.booleans(), st.none(), st.text(max_size=3),
+                      st.lists(st.integers(0, 3), max_size=2))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(st.one_of(ids, st.text(max_size=70), _anything), _anything, _anything, _anything,
+                          _anything), max_size=6, unique_by=lambda e: repr(e[0])))
+def test_push_columns_refuses_what_push_batch_would(entries: list[tuple[object, ...]]) -> None:
+    # The checks on the encoded text agree with the checks value by value.
+    cols = _columns(*entries)
+    reasons = []
+    for sid, b_in, b_out, n, idle in entries:
+        ok_idle = type(idle) is int and 0 <= idle <= IDLE_MS_MAX
+        idle_s = cast(int, idle) / 1000 if ok_idle else 0.0
+        reports = Batch(EPOCH, 1, (SandboxReport(sid, b_in, b_out, n, idle_s),))  # type: ignore[arg-type]
+        try:
+            push_batch(reports)
+            reasons.append(None if ok_idle or type(idle) is not int else "bad_idle")
+        except LocalProtocolError as e:
+            reasons.append(e.reason)
+    try:
+        push_columns(EPOCH, 1, *cols)  # type: ignore[arg-type]
+        got = None
+    except LocalProtocolError as e:
+        got = e.reason
+    if any(type(e[4]) is not int for e in entries):
+        assert got is not None
+    else:  # (the IDs differ: push_columns leaves duplicates to its caller)
+        assert (got is None) == all(r is None for r in reasons)
+    assert are_sandbox_ids(cols[0]) == all(  # type: ignore[arg-type]
+        type(v) is str and is_sandbox_id(v) for v in cols[0]
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -254,7 +395,7 @@ def test_one_byte_changed_is_refused_or_another_valid_batch(batch: Batch, data: 
 @given(st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
-        ["epoch", "seq", "sandboxes", "sandbox", "bytes_in", "bytes_out", "open", "idle_s", "acked", "error", "x"]
+        ["epoch", "seq", "sandboxes", "bytes_in", "bytes_out", "open", "idle_ms", "acked", "error", "x"]
     ), inner, max_size=6),
     max_leaves=20,
 ))
