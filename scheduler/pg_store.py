@@ -68,6 +68,7 @@ from sbxnet.protocol.feed import Batch, epoch_start_ns
 from sbxnet.protocol.routes import Registration, push_registration
 from scheduler.feed_ledger import Decision, Stored
 from scheduler.store import (
+    COUNT_COLUMNS,
     METER_COLUMNS,
     STATE_COLUMNS,
     WEBHOOK_DONE,
@@ -170,11 +171,20 @@ _SAVE = (
     f"AS v(sandbox, {', '.join(STATE_COLUMNS)}) WHERE s.sandbox = v.sandbox"
 )
 _METER_TYPES = ("float8", "int8", "int8", "int8", "text")
-_SAVE_METERS = (
-    f"UPDATE sandboxes AS s SET {', '.join(f'{c} = v.{c}' for c in METER_COLUMNS)}, row_version = %s "
-    f"FROM unnest(%b::text[], {', '.join(f'%b::{t}[]' for t in _METER_TYPES)}) "
-    f"AS v(sandbox, {', '.join(METER_COLUMNS)}) WHERE s.sandbox = v.sandbox"
-)
+
+
+def _save_meters(n: int) -> str:
+    """The UPDATE of the first ``n`` of ``METER_COLUMNS``."""
+    cols = METER_COLUMNS[:n]
+    return (
+        f"UPDATE sandboxes AS s SET {', '.join(f'{c} = v.{c}' for c in cols)}, row_version = %s "
+        f"FROM unnest(%b::text[], {', '.join(f'%b::{t}[]' for t in _METER_TYPES[:n])}) "
+        f"AS v(sandbox, {', '.join(cols)}) WHERE s.sandbox = v.sandbox"
+    )
+
+
+_SAVE_METERS = _save_meters(len(METER_COLUMNS))
+_SAVE_TRAFFIC = _save_meters(len(METER_COLUMNS) - len(COUNT_COLUMNS))  # the open counts left as they are
 _INSERT_EVENT = (
     "INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) "
     "VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING id"
@@ -278,12 +288,19 @@ class PgTx:
             self.execute(_SAVE, columns)
         return self._insert_events(events)
 
-    def save_meters(self, updates: Mapping[str, SandboxState]) -> None:
-        if updates:
-            version = self.written_version()
-            columns: list[object] = [version, list(updates)]
-            columns += [list(c) for c in zip(*(meter_row(st) for st in updates.values()), strict=True)]
+    def save_meters(self, updates: Mapping[str, SandboxState], counts: bool = True) -> None:
+        if not updates:
+            return
+        version = self.written_version()
+        columns: list[object] = [version, list(updates)]
+        states = updates.values()
+        if counts:
+            columns += [list(c) for c in zip(*(meter_row(st) for st in states), strict=True)]
             self.execute(_SAVE_METERS, columns)
+        else:
+            columns += [[st.last_activity for st in states], [st.bytes_in for st in states],
+                        [st.bytes_out for st in states]]
+            self.execute(_SAVE_TRAFFIC, columns)
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
         rec = check_apply(batch, decision)

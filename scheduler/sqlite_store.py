@@ -50,6 +50,7 @@ from sbxnet.protocol.feed import Batch, epoch_start_ns
 from sbxnet.protocol.routes import Registration, push_registration
 from scheduler.feed_ledger import Decision, Stored
 from scheduler.store import (
+    COUNT_COLUMNS,
     METER_COLUMNS,
     STATE_COLUMNS,
     WEBHOOK_DONE,
@@ -152,6 +153,11 @@ _PUT = (
 _UPDATE_METERS = (
     f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in METER_COLUMNS)}, row_version = ? WHERE sandbox = ?"
 )
+# Without the open counts: writing open_by costs an update of the partial index on it for every row.
+_UPDATE_TRAFFIC = (
+    f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in METER_COLUMNS[:-len(COUNT_COLUMNS)])}, row_version = ? "
+    "WHERE sandbox = ?"
+)
 _NEXT_VERSION = "UPDATE row_versions SET last = last + 1 RETURNING last"
 _INSERT_EVENT = (
     "INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -241,10 +247,15 @@ class SqliteTx:
             c.executemany(_UPDATE_STATE, [(*state_row(st), version, sid) for sid, st in updates.items()])
         return self._insert_events(c, events)
 
-    def save_meters(self, updates: Mapping[str, SandboxState]) -> None:
-        if updates:
-            version = self.written_version()
+    def save_meters(self, updates: Mapping[str, SandboxState], counts: bool = True) -> None:
+        if not updates:
+            return
+        version = self.written_version()
+        if counts:
             self._c().executemany(_UPDATE_METERS, [(*meter_row(st), version, sid) for sid, st in updates.items()])
+        else:
+            rows = [(st.last_activity, st.bytes_in, st.bytes_out, version, sid) for sid, st in updates.items()]
+            self._c().executemany(_UPDATE_TRAFFIC, rows)
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
         rec = check_apply(batch, decision)

@@ -137,10 +137,12 @@ class Tx(Protocol):
         meanwhile). Returns the events' ids, increasing in the order given."""
         ...
 
-    def save_meters(self, updates: Mapping[str, SandboxState]) -> None:
+    def save_meters(self, updates: Mapping[str, SandboxState], counts: bool = True) -> None:
         """``save`` of states that differ from their rows in ``METER_COLUMNS`` alone (a batch's sandboxes
         that made no event, their rows read or known by version under this transaction's lock): only
-        those columns are written, with the version. The caller must know the rest is what the row holds."""
+        those columns are written, with the version; with ``counts`` False not the open counts either
+        (``open_connections``, ``open_by``: they are what the rows hold). The caller must know the rest
+        is what the row holds."""
         ...
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
@@ -305,6 +307,7 @@ STATE_COLUMNS = (
     "stopped_at", "wake_from", "fenced", "open_by",
 )
 METER_COLUMNS = METER_FIELDS  # the columns Tx.save_meters writes, in this order (meter_row)
+COUNT_COLUMNS = ("open_connections", "open_by")  # the last of them, which save_meters(counts=False) leaves
 WEBHOOK_NONE, WEBHOOK_DUE, WEBHOOK_DONE = 0, 1, 2  # events.webhook
 # The source of the open counts a store kept before they were kept per source (a migrated row's single
 # count), and of reports from a caller that names none. The service forgets it once, after its start.
@@ -509,10 +512,13 @@ def ingest_batch(
             # The core's own states, not copies: written at once. A sandbox with no event changed only
             # its meters (TimerCore.on_report, forget_source), and the rest of its row is what the core
             # holds (read, or known by version, under this lock): those columns alone are written.
-            state, moved = core.state, {ev.sandbox for ev in events}
+            # Of those, one whose open counts did not change leaves them too (TimerCore.counts_changed).
+            state, moved, counted = core.state, {ev.sandbox for ev in events}, core.counts_changed
             touched = [sid for sid in sids if sid in core]
             tx.save({sid: state(sid) for sid in touched if sid in moved}, events)
-            tx.save_meters({sid: state(sid) for sid in touched if sid not in moved})
+            meters = [sid for sid in touched if sid not in moved]
+            tx.save_meters({sid: state(sid) for sid in meters if counted(sid)})
+            tx.save_meters({sid: state(sid) for sid in meters if not counted(sid)}, counts=False)
             version = tx.written_version() if touched else 0
     except StoreError as e:
         if not ahead:

@@ -257,6 +257,7 @@ class _Sandbox:
     st: SandboxState
     gen: int = 0  # the generation of its one live heap entry
     stored: int | None = None  # the store's version of the row this config and state equal; None: unknown
+    counts_moved: bool = False  # its open counts changed since it was restored or marked stored
     # That entry's time, None when it has none. Entries hold the object itself: a removed or
     # re-registered sandbox's entries are stale because the registry no longer maps its ID to it.
     heap_at: float | None = None
@@ -354,6 +355,13 @@ class TimerCore:
             sb = get(sid)
             if sb is not None:
                 sb.stored = version
+                sb.counts_moved = False
+
+    def counts_changed(self, sandbox: str) -> bool:
+        """Whether the sandbox's open counts (``open_by``, ``open_connections``) changed since it was last
+        restored or marked stored. A store that knows the row held the core's state at that point (its
+        version) leaves them as they are when not: writing them costs an index update per row."""
+        return self._get(sandbox).counts_moved
 
     def has_state(self, sandbox: str, state: SandboxState) -> bool:
         """Whether the sandbox's state equals ``state`` (``snapshot(sandbox) == state`` without the copy)."""
@@ -438,7 +446,7 @@ class TimerCore:
             return []
         for sid in sids:
             sb = self._sandboxes[sid]  # the index names registered sandboxes only
-            sb.stored = None
+            sb.stored, sb.counts_moved = None, True
             st = sb.st
             del st.open_by[source]
             st.open_connections = sum(st.open_by.values())
@@ -659,6 +667,7 @@ class TimerCore:
     def _set_open(self, sb: _Sandbox, source: str, n: int) -> None:
         """Set ``source``'s count on ``sb`` (0: drop it), keeping the sum and the index."""
         st, sid = sb.st, sb.config.sandbox
+        sb.counts_moved = True
         if n:
             if source not in st.open_by:
                 self._by_source.setdefault(source, set()).add(sid)
@@ -670,6 +679,7 @@ class TimerCore:
 
     def _clear_open(self, sb: _Sandbox) -> None:
         """The sandbox stopped: its connections are gone, whoever carried them."""
+        sb.counts_moved = True
         self._unindex(sb)
         sb.st.open_by.clear()
         sb.st.open_connections = 0

@@ -283,6 +283,41 @@ def test_save_meters_writes_only_the_meters_and_the_version(open_store: Opener) 
     assert (after["sbx-a"].state.open_by, after["sbx-a"].state.last_activity) == ({"fwd#0": 2}, 150.0)
 
 
+def test_save_meters_without_counts_leaves_the_open_counts_as_stored(open_store: Opener) -> None:
+    store, core = with_sandboxes(open_store, "sbx-a")
+    core.on_report("sbx-a", 1, 1, 3, 150.0, 150.0, "fwd#0")
+    store.save({"sbx-a": core.snapshot("sbx-a")}, [])
+    core.on_report("sbx-a", 5, 6, 1, 160.0, 160.0, "fwd#0")
+    with store.transaction() as tx:
+        tx.save_meters({"sbx-a": core.snapshot("sbx-a"), "ghost": core.snapshot("sbx-a")}, counts=False)
+    (row,) = open_store().sandboxes()
+    assert (row.state.bytes_in, row.state.bytes_out, row.state.last_activity) == (6, 7, 160.0)
+    assert (row.state.open_by, row.state.open_connections) == ({"fwd#0": 3}, 3)
+
+
+def test_ingest_leaves_each_row_as_the_core_holds_it_whichever_columns_it_writes(open_store: Opener) -> None:
+    """Batches that change bytes only, open counts, or the state (a transition), in every mix: after each
+    the rows are the core's states, at the version the core holds."""
+    store, core = with_sandboxes(open_store, "sbx-a", "sbx-b", "sbx-c")
+    with store.transaction() as tx:
+        sync_core(core, ["sbx-a", "sbx-b", "sbx-c"], tx.lock(["sbx-a", "sbx-b", "sbx-c"]))
+        events = core.on_timer(1000.0)  # all idle: a report with bytes is a transition
+        tx.save({e.sandbox: core.snapshot(e.sandbox) for e in events}, events)
+    plan = [  # per batch: (bytes, open) for sbx-a, sbx-b, sbx-c
+        ((1, 0), (1, 1), (0, 2)), ((1, 0), (1, 1), (0, 2)), ((0, 1), (2, 1), (0, 0)), ((5, 1), (0, 0), (0, 0)),
+        ((0, 0), (0, 0), (1, 3)), ((0, 0), (0, 0), (0, 3)),
+    ]
+    for seq, entries in enumerate(plan, 1):
+        named = zip(("sbx-a", "sbx-b", "sbx-c"), entries, strict=True)
+        b = Batch(E1, seq, tuple(SandboxReport(sid, n, 2 * n, o, 0.0) for sid, (n, o) in named))
+        assert ingest_batch(core, store, FWD, b, 1000.0 + seq)[0].apply
+        rows = {r.sandbox: r for r in open_store().sandboxes()}
+        for sid, row in rows.items():
+            assert row.state == core.snapshot(sid) and row.version == core.stored_version(sid), (seq, sid)
+    assert totals(store) == {"sbx-a": (7, 14), "sbx-b": (4, 8), "sbx-c": (1, 2)}
+    assert {r.sandbox: r.state.open_by for r in store.sandboxes()} == {"sbx-a": {}, "sbx-b": {}, "sbx-c": {FWD: 3}}
+
+
 def test_a_batch_reads_in_full_only_the_rows_another_writer_changed(
     open_store: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -253,6 +253,30 @@ def test_the_stored_version_is_kept_until_a_change_and_set_again_by_mark_stored(
     assert core.remove("sbx-1") and core.stored_version("sbx-1") is None
 
 
+def test_counts_changed_says_whether_the_open_counts_moved_since_restore_or_mark_stored() -> None:
+    cfg = SandboxConfig("sbx-1", "inc-1", 10.0, Activity.CONNECTIONS, registered_at=0.0)
+    core = TimerCore()
+    core.restore(cfg, SandboxState(0.0, ACTIVE, 0.0, open_connections=1, open_by={"fwd#0": 1}), stored=3)
+    assert not core.counts_changed("sbx-1")
+    core.on_report("sbx-1", 5, 5, 1, 1.0, 1.0, "fwd#0")  # the same count: bytes only
+    assert not core.counts_changed("sbx-1") and core.stored_version("sbx-1") is None
+    for change in (
+        lambda: core.on_report("sbx-1", 0, 0, 2, 2.0, 2.0, "fwd#0"),
+        lambda: core.on_report("sbx-1", 0, 0, 1, 2.0, 2.0, "fwd#1"),
+        lambda: core.on_report("sbx-1", 0, 0, 0, 2.0, 2.0, "fwd#1"),
+        lambda: core.forget_source("fwd#0", 3.0),
+        lambda: core.driver_stopped("sbx-1", 4.0),
+    ):
+        core.mark_stored(["sbx-1"], 4)
+        assert not core.counts_changed("sbx-1")
+        change()
+        assert core.counts_changed("sbx-1"), change
+    core.restore(cfg, core.snapshot("sbx-1"))
+    assert not core.counts_changed("sbx-1")
+    with pytest.raises(UnknownSandbox):
+        core.counts_changed("nope")
+
+
 def test_connections_policy_open_report_wakes_an_idle_sandbox() -> None:
     core = core_with(period=10.0, activity=Activity.CONNECTIONS)
     go_idle(core)
