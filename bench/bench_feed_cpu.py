@@ -11,8 +11,8 @@ runs in a child process on loopback, so its CPU is not counted here.
 
 Each interval a traffic task adds bytes to every sandbox's connection (what the data plane does; its CPU
 is measured apart and left out of the feed's figure). The feed's CPU is this process's CPU time
-(``time.process_time``) over the measured intervals minus the traffic task's: ``take_deltas``, the outbox
-(merge, freeze, ``push_batch``), the answer, the HTTP client and TLS, and the event loop around them.
+(``time.process_time``) over the measured intervals minus the traffic task's: ``Meter.take``, the outbox
+(merge, freeze, ``push_columns``), the answer, the HTTP client and TLS, and the event loop around them.
 The pieces on the event loop are timed too (thread CPU, and the longest single call, which is how long
 the data path waits on it). At the end the scheduler's stored totals must equal the bytes moved.
 
@@ -140,15 +140,26 @@ async def forwarder_side(args: argparse.Namespace, work: Path, port: int) -> dic
     reporter = reporter_for(settings, meter, stream=0, metrics=ForwarderMetrics())
     assert reporter is not None
     ob = reporter.outbox
+    # What the reporter calls, by the names it calls (the old names for a tree from before the columns).
+    take_name = "take" if hasattr(meter, "take") else "take_deltas"
+    next_name = "next_body" if hasattr(ob, "next_body") else "next_batch"
     timed = {
-        "take_deltas": Timed(meter.take_deltas),
+        f"Meter.{take_name}": Timed(getattr(meter, take_name)),
         "outbox.add": Timed(ob.add),
-        "outbox.next_batch (freeze + push_batch)": Timed(ob.next_batch),
+        f"outbox.{next_name} (freeze + encoding)": Timed(getattr(ob, next_name)),
         "outbox.on_answer": Timed(ob.on_answer),
     }
-    meter.take_deltas = timed["take_deltas"]  # type: ignore[method-assign]
+    setattr(meter, take_name, timed[f"Meter.{take_name}"])
     ob.add = timed["outbox.add"]  # type: ignore[method-assign]
-    ob.next_batch = timed["outbox.next_batch (freeze + push_batch)"]  # type: ignore[method-assign]
+    body_sizes: list[int] = []
+
+    def next_and_size(*args: Any, **kw: Any) -> Any:
+        got = timed[f"outbox.{next_name} (freeze + encoding)"](*args, **kw)
+        if got is not None and ob.in_flight_body is not None:
+            body_sizes.append(len(ob.in_flight_body))
+        return got
+
+    setattr(ob, next_name, next_and_size)
     ob.on_answer = timed["outbox.on_answer"]  # type: ignore[method-assign]
     moved = [0, 0]
     traffic_cpu = 0.0
@@ -226,6 +237,7 @@ async def forwarder_side(args: argparse.Namespace, work: Path, port: int) -> dic
             "over_20ms_per_interval": round(sum(x > 0.020 for x in late) / args.intervals, 2),
             "over_20ms_total_ms_per_interval": round(sum(x for x in late if x > 0.020) * 1000 / args.intervals, 1),
         } if late else None,
+        "largest_body_bytes": max(body_sizes, default=0),
         "moved": moved,
         "failures": dict(ob.failures),
     }

@@ -5,8 +5,8 @@ uses), the next epoch (a callable returning ``sbxnet.protocol.feed.new_epoch(...
 callable returning a uniform float in [0, 1), or a ``random.Random``) all come from the caller; the
 adapter owns the HTTP client and the interval.
 
-The adapter's loop, each interval: ``add(meter.take_deltas(now), now)``; then, whenever ``next_batch(now)``
-gives a batch, POST ``in_flight_body`` and report the outcome: a 200 or 409 whose body ``pull_answer``
+The adapter's loop, each interval: ``add(meter.take(now), now)``; then, whenever ``next_body(now)``
+gives a body, POST it and report the outcome: a 200 or 409 whose body ``pull_answer``
 parses goes to ``on_answer``; anything else (no answer, a timeout, 5xx, another status, a body refused)
 goes to ``on_failure``. ``wake_at()`` says when ``next_batch`` may next give something.
 
@@ -28,22 +28,30 @@ What it guarantees:
 - At most ``MAX_SANDBOXES`` sandboxes per batch (the oldest pending first); a count that would not fit
   the wire (2**63) is sent in parts, so nothing is ever refused by ``push_batch``.
 
-A delta the outbox cannot carry (a sandbox ID outside the feed's rule, a negative count) is dropped and
-counted in ``dropped``; the meter never produces one.
+A delta the outbox cannot carry (a sandbox ID outside the feed's rule, a negative count, a count that is
+not an int, an activity time that is not a finite number) is dropped and counted in ``dropped``; the meter
+never produces one. From a dict, ``add`` drops them; from the meter's columns, ``add`` drops only a
+negative byte count (merging would hide it), and the rest is found when the batch is encoded
+(``push_columns`` refuses it, or no age can be computed), and that sandbox's entry dropped then.
+
+Columns throughout: pending and in flight are a list per field (``_Columns``), as ``Meter.take`` gives
+them and ``push_columns`` encodes them, so the usual interval (pending empty, the meter's columns taken
+whole, one batch) does no Python work per sandbox but computing its idle time. Merging into a non-empty
+pending (an outage, or a take while a batch is in flight) goes sandbox by sandbox through an index.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from forwarder.ingress.metering import SandboxDelta
+from forwarder.ingress.metering import Deltas, SandboxDelta
 from sbxnet.errors import LocalProtocolError
 from sbxnet.protocol.feed import (
     COUNT_MAX,
+    IDLE_MS_MAX,
     IDLE_S_MAX,
     MAX_SANDBOXES,
     Answer,
@@ -54,7 +62,7 @@ from sbxnet.protocol.feed import (
     is_epoch,
     is_sandbox_id,
     new_epoch,
-    push_batch,
+    push_columns,
 )
 
 BACKOFF_INITIAL_S = 0.25
@@ -82,19 +90,89 @@ def backoff_delay(
 
 
 @dataclass(slots=True)
-class _Entry:
-    bytes_in: int
-    bytes_out: int
-    open: int
-    last_activity: float  # the caller's monotonic clock
+class _Columns:
+    """Entries as columns: index ``i`` of each list is sandbox ``sandboxes[i]``, each sandbox once."""
+
+    sandboxes: list[str]
+    bytes_in: list[int]
+    bytes_out: list[int]
+    open: list[int]
+    last: list[float]  # the latest activity, the caller's monotonic clock
+    index: dict[str, int] | None = None  # sandbox -> its index, made at the first merge into these
+
+    def __len__(self) -> int:
+        return len(self.sandboxes)
+
+    @classmethod
+    def empty(cls) -> _Columns:
+        return cls([], [], [], [], [])
+
+    def append(self, sid: str, b_in: int, b_out: int, n: int, t: float) -> None:
+        """One more sandbox (not here yet; the index, if made, is not kept up to date: only for columns
+        never merged into)."""
+        self.sandboxes.append(sid)
+        self.bytes_in.append(b_in)
+        self.bytes_out.append(b_out)
+        self.open.append(n)
+        self.last.append(t)
+
+    def copy(self) -> _Columns:
+        return _Columns(self.sandboxes[:], self.bytes_in[:], self.bytes_out[:], self.open[:], self.last[:])
+
+    def merge(self, newer: _Columns) -> None:
+        """Add ``newer``'s entries: bytes added, its open count (the later one is current), the latest
+        activity; a sandbox not here yet is appended."""
+        index = self.index
+        if index is None:
+            index = self.index = dict(zip(self.sandboxes, range(len(self.sandboxes)), strict=True))
+        ids, ins, outs, opens, lasts = self.sandboxes, self.bytes_in, self.bytes_out, self.open, self.last
+        for sid, b_in, b_out, n, t in zip(
+            newer.sandboxes, newer.bytes_in, newer.bytes_out, newer.open, newer.last, strict=True
+        ):
+            i = index.get(sid)
+            if i is None:
+                index[sid] = len(ids)
+                ids.append(sid)
+                ins.append(b_in)
+                outs.append(b_out)
+                opens.append(n)
+                lasts.append(t)
+            else:
+                ins[i] += b_in
+                outs[i] += b_out
+                opens[i] = n
+                if t > lasts[i]:
+                    lasts[i] = t
+
+    def split(self, k: int) -> tuple[_Columns, _Columns]:
+        """The first ``k`` entries, and the rest."""
+        return (
+            _Columns(self.sandboxes[:k], self.bytes_in[:k], self.bytes_out[:k], self.open[:k], self.last[:k]),
+            _Columns(self.sandboxes[k:], self.bytes_in[k:], self.bytes_out[k:], self.open[k:], self.last[k:]),
+        )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _InFlight:
-    batch: Batch
-    body: bytes  # push_batch(batch), made once: every resend is these bytes
-    entries: dict[str, _Entry]  # what the batch carries, kept to merge back after a 409
+    epoch: str
+    seq: int
+    entries: _Columns  # what the batch carries, kept to merge back after a 409
+    idle_ms: list[int]
+    body: bytes  # push_columns(...), made once: every resend is these bytes
     since: float  # when the oldest delta it carries was added
+    _batch: Batch | None = None
+
+    @property
+    def batch(self) -> Batch:
+        """The batch as ``pull_batch`` would read the body (made on first use: the reporter needs only the
+        body, and a ``SandboxReport`` per sandbox is most of what encoding used to cost)."""
+        if self._batch is None:
+            e = self.entries
+            reports = tuple(
+                map(SandboxReport, e.sandboxes, e.bytes_in, e.bytes_out, e.open, [ms / 1000 for ms in self.idle_ms])
+            )
+            self._batch = Batch(self.epoch, self.seq, reports)
+        return self._batch
 
 
 class Outbox:
@@ -116,7 +194,7 @@ class Outbox:
         self._backoff = (backoff_initial_s, backoff_cap_s, backoff_jitter)
         self._epoch = self._supplied_epoch()
         self._next_seq = 1
-        self._pending: dict[str, _Entry] = {}
+        self._pending = _Columns.empty()
         self._pending_since: float | None = None
         self._flight: _InFlight | None = None
         self._awaiting = False  # the in-flight batch was handed out and not yet answered
@@ -127,7 +205,7 @@ class Outbox:
         self.epochs_started = 1
         self.batches_acked = 0  # 200s, and 409s saying the batch was applied
         self.sends = 0  # batches handed out, resends included
-        self.dropped = 0  # deltas add() could not carry
+        self.dropped = 0  # deltas it could not carry
         self.acked_bytes_in = 0
         self.acked_bytes_out = 0
 
@@ -140,6 +218,11 @@ class Outbox:
     @property
     def in_flight(self) -> Batch | None:
         return self._flight.batch if self._flight else None
+
+    @property
+    def in_flight_key(self) -> tuple[str, int] | None:
+        """The in-flight batch's (epoch, seq), without making its ``Batch``."""
+        return (self._flight.epoch, self._flight.seq) if self._flight else None
 
     @property
     def in_flight_body(self) -> bytes | None:
@@ -176,42 +259,51 @@ class Outbox:
 
     # --- inputs -------------------------------------------------------------------------------------
 
-    def add(self, deltas: Mapping[str, SandboxDelta], now: float) -> None:
-        """Merge what ``Meter.take_deltas`` returned into pending (bytes_up is the feed's bytes_in)."""
-        for sid, d in deltas.items():
-            if not (
-                is_sandbox_id(sid)
-                and _is_count(d.bytes_up)
-                and _is_count(d.bytes_down)
-                and _is_count(d.open_connections)
-                and isinstance(d.last_activity, int | float)
-            ):
-                self.dropped += 1
-                continue
-            e = self._pending.get(sid)
-            if e is None:
-                self._pending[sid] = _Entry(d.bytes_up, d.bytes_down, d.open_connections, float(d.last_activity))
-            else:
-                e.bytes_in += d.bytes_up
-                e.bytes_out += d.bytes_down
-                e.open = d.open_connections  # the later take's count is the current one
-                e.last_activity = max(e.last_activity, float(d.last_activity))
-            if self._pending_since is None:
-                self._pending_since = now
+    def add(self, deltas: Deltas | Mapping[str, SandboxDelta], now: float) -> None:
+        """Merge what ``Meter.take`` (columns) or ``Meter.take_deltas`` (a dict) returned into pending
+        (bytes_up is the feed's bytes_in)."""
+        if isinstance(deltas, Deltas):
+            cols = self._checked(deltas)
+            if cols is None:
+                d = deltas
+                cols = self._checked_one_by_one(
+                    zip(d.sandboxes, d.bytes_up, d.bytes_down, d.open_connections, d.last_activity, strict=False)
+                )
+        else:
+            cols = self._checked_one_by_one(
+                (sid, d.bytes_up, d.bytes_down, d.open_connections, d.last_activity) for sid, d in deltas.items()
+            )
+        if not cols:
+            return
+        if self._pending:
+            self._pending.merge(cols)
+        else:
+            self._pending = cols  # the usual interval: the meter's columns, taken whole
+        if self._pending_since is None:
+            self._pending_since = now
 
-    def next_batch(self, now: float, *, ignore_backoff: bool = False) -> Batch | None:
-        """The batch to send now (then POST ``in_flight_body``), or None: one is awaiting its answer, the
-        backoff has not run out, or there is nothing to report. ``ignore_backoff``: the last attempt of a
-        process that is stopping (what it does not send now is lost), so the backoff's wait does not apply;
-        a failure still counts and backs off as usual."""
+    def next_body(self, now: float, *, ignore_backoff: bool = False) -> bytes | None:
+        """The body to POST now (also ``in_flight_body``), or None: one is awaiting its answer, the backoff
+        has not run out, or there is nothing to report. ``ignore_backoff``: the last attempt of a process
+        that is stopping (what it does not send now is lost), so the backoff's wait does not apply; a
+        failure still counts and backs off as usual."""
         if self._awaiting or (now < self._retry_at and not ignore_backoff):
             return None
         if self._flight is None:
             if not self._pending:
                 return None
             self._flight = self._freeze(now)
+            if self._flight is None:
+                return None  # every pending entry was dropped
         self._awaiting = True
         self.sends += 1
+        return self._flight.body
+
+    def next_batch(self, now: float, *, ignore_backoff: bool = False) -> Batch | None:
+        """``next_body``, giving the in-flight batch (``in_flight``) instead of its body."""
+        if self.next_body(now, ignore_backoff=ignore_backoff) is None:
+            return None
+        assert self._flight is not None
         return self._flight.batch
 
     def on_answer(self, answer: Answer, now: float) -> str:
@@ -219,7 +311,7 @@ class Outbox:
         ``dropped`` (a 409 saying it was applied), ``requeued`` (a 409: reported again under a new epoch),
         or ``mismatch`` (a 200 for another seq: not this batch's answer, so it is sent again)."""
         flight = self._take_awaited()
-        seq = flight.batch.seq
+        seq = flight.seq
         if answer.error is None:
             if answer.acked != seq:
                 self._count("mismatch")
@@ -253,6 +345,43 @@ class Outbox:
 
     # --- internals ----------------------------------------------------------------------------------
 
+    def _checked(self, d: Deltas) -> _Columns | None:
+        """The meter's columns as they are, or None: then entry by entry through the checks that drop and
+        count what cannot be carried. Only what merging needs is checked here, over whole columns (no
+        negative byte count, which would cancel bytes it merged with); the rest (IDs, types, times) when
+        the batch is encoded (``_freeze``), which is a pass over whole columns anyway."""
+        try:
+            ok = (
+                len(d.bytes_up) == len(d.bytes_down) == len(d.open_connections) == len(d.last_activity)
+                == len(d.sandboxes)
+                and min(d.bytes_up, default=0) >= 0
+                and min(d.bytes_down, default=0) >= 0
+            )
+        except TypeError:  # a value that is not a number among them
+            ok = False
+        if not ok:
+            return None
+        return _Columns(d.sandboxes, d.bytes_up, d.bytes_down, d.open_connections, d.last_activity)
+
+    def _checked_one_by_one(self, entries: Iterable[tuple[object, object, object, object, object]]) -> _Columns:
+        cols = _Columns.empty()
+        seen: set[object] = set()
+        for sid, up, down, n, last in entries:
+            if not (
+                is_sandbox_id(sid)
+                and sid not in seen
+                and _is_count(up)
+                and _is_count(down)
+                and _is_count(n)
+                and type(last) in (int, float)
+                and math.isfinite(last)  # type: ignore[arg-type]
+            ):
+                self.dropped += 1
+                continue
+            seen.add(sid)
+            cols.append(sid, up, down, n, float(last))  # type: ignore[arg-type]
+        return cols
+
     def _take_awaited(self) -> _InFlight:
         if not self._awaiting or self._flight is None:
             raise LocalProtocolError("not_in_flight", "no batch was handed out that awaits an answer")
@@ -269,8 +398,8 @@ class Outbox:
     def _done(self, flight: _InFlight) -> None:
         self._flight = None
         self.batches_acked += 1
-        self.acked_bytes_in += sum(r.bytes_in for r in flight.batch.sandboxes)
-        self.acked_bytes_out += sum(r.bytes_out for r in flight.batch.sandboxes)
+        self.acked_bytes_in += sum(flight.entries.bytes_in)
+        self.acked_bytes_out += sum(flight.entries.bytes_out)
 
     def _supplied_epoch(self) -> str:
         epoch = self._epoch_source()
@@ -286,40 +415,62 @@ class Outbox:
         self._next_seq = 1
         self.epochs_started += 1
 
-    def _freeze(self, now: float) -> _InFlight:
+    def _freeze(self, now: float) -> _InFlight | None:
         since = self._pending_since if self._pending_since is not None else now
-        entries: dict[str, _Entry] = {}
-        reports = []
-        pending = self._pending
-        for sid in list(itertools.islice(pending, self._max_sandboxes)):
-            e = pending[sid]
-            if e.bytes_in <= COUNT_MAX and e.bytes_out <= COUNT_MAX:
-                sent = pending.pop(sid)  # all of it goes (always, but for counts beyond the wire's)
-            else:
-                sent = _Entry(min(e.bytes_in, COUNT_MAX), min(e.bytes_out, COUNT_MAX), e.open, e.last_activity)
-                e.bytes_in -= sent.bytes_in
-                e.bytes_out -= sent.bytes_out
-            entries[sid] = sent
-            idle = min(max(0.0, now - e.last_activity), IDLE_S_MAX)
-            reports.append(SandboxReport(sid, sent.bytes_in, sent.bytes_out, sent.open, idle))
+        if len(self._pending) > self._max_sandboxes:
+            sent, self._pending = self._pending.split(self._max_sandboxes)
+        else:
+            sent, self._pending = self._pending, _Columns.empty()
+        sent.index = None  # what is sent is never merged into (a refusal merges pending into a copy)
+        # Rounded to the nearest ms; an age out of the wire's range (a clock ahead of ours, or beyond
+        # IDLE_S_MAX) makes push_columns refuse, and the slow path below clamps it.
+        try:
+            idle = [round((now - t) * 1000.0) for t in sent.last]
+            body = push_columns(self._epoch, self._next_seq, sent.sandboxes, sent.bytes_in, sent.bytes_out,
+                                sent.open, idle)
+        except (LocalProtocolError, TypeError, ValueError, OverflowError):  # the last three: a bad time
+            sent, idle = self._carriable(sent, now)
+            body = push_columns(self._epoch, self._next_seq, sent.sandboxes, sent.bytes_in, sent.bytes_out,
+                                sent.open, idle)
         if not self._pending:
             self._pending_since = None
-        batch = Batch(self._epoch, self._next_seq, tuple(reports))
-        return _InFlight(batch, push_batch(batch), entries, since)
+        if not sent:
+            return None
+        return _InFlight(self._epoch, self._next_seq, sent, idle, body, since)
+
+    def _carriable(self, sent: _Columns, now: float) -> tuple[_Columns, list[int]]:
+        """What of ``sent`` the wire carries, entry by entry: an entry with an ID outside the rule, a count
+        that is no int or a time that is no finite number is dropped (counted); a count beyond the wire's
+        goes in part, the rest back to pending, first; an age out of range is clamped."""
+        out, rest = _Columns.empty(), _Columns.empty()
+        idle: list[int] = []
+        for sid, b_in, b_out, n, t in zip(sent.sandboxes, sent.bytes_in, sent.bytes_out, sent.open, sent.last,
+                                          strict=True):
+            if not (
+                is_sandbox_id(sid)
+                and _is_count(b_in)
+                and _is_count(b_out)
+                and _is_count(n)
+                and type(t) in (int, float)
+                and math.isfinite(t)
+            ):
+                self.dropped += 1
+                continue
+            if b_in > COUNT_MAX or b_out > COUNT_MAX:
+                part_in, part_out = min(b_in, COUNT_MAX), min(b_out, COUNT_MAX)
+                rest.append(sid, b_in - part_in, b_out - part_out, n, t)
+                b_in, b_out = part_in, part_out
+            out.append(sid, b_in, b_out, n, t)
+            idle.append(min(round(min(max(0.0, now - t), IDLE_S_MAX) * 1000.0), IDLE_MS_MAX))
+        if rest:
+            rest.merge(self._pending)
+            self._pending = rest
+        return out, idle
 
     def _merge_back(self, flight: _InFlight) -> None:
         """Put a refused batch's entries back in pending, as older than what pending holds."""
-        merged: dict[str, _Entry] = {}
-        for sid, old in flight.entries.items():
-            newer = self._pending.get(sid)
-            if newer is not None:
-                old.bytes_in += newer.bytes_in
-                old.bytes_out += newer.bytes_out
-                old.open = newer.open
-                old.last_activity = max(old.last_activity, newer.last_activity)
-            merged[sid] = old
-        for sid, e in self._pending.items():
-            merged.setdefault(sid, e)
+        merged = flight.entries.copy()
+        merged.merge(self._pending)
         self._pending = merged  # the refused sandboxes first: they have waited longest
         self._pending_since = flight.since if self._pending_since is None else min(flight.since, self._pending_since)
 

@@ -1,19 +1,19 @@
 """The forwarder's HTTP adapter for the idle feed: a task that drives the ``Outbox`` (``feed_outbox.py``)
 against the scheduler's ``POST /v1/feed``.
 
-Each ``interval`` it takes the meter's deltas (``Meter.take_deltas``, the only call it makes on the data
-path's state: synchronous, no I/O) into the outbox; then, while ``next_batch`` gives a batch, it POSTs
-``in_flight_body`` over one ``aiohttp.ClientSession`` with a timeout per request. A 200 or 409 whose body
+Each ``interval`` it takes the meter's deltas (``Meter.take``, the only call it makes on the data
+path's state: synchronous, no I/O) into the outbox; then, while ``next_body`` gives a body, it POSTs it
+over one ``aiohttp.ClientSession`` with a timeout per request. A 200 or 409 whose body
 ``pull_answer`` accepts goes to ``on_answer``; any other status, a refused answer body, a timeout or a
 connection or TLS error goes to ``on_failure`` with a counted reason. While backing off it sleeps until
 ``outbox.wake_at()`` (or the next interval, whichever is first), still taking deltas every interval so the
 meter's memory stays bounded (the outbox merges them per sandbox).
 
-Nothing here makes the data path wait. ``take_deltas`` is the one per-sandbox step on the event loop (it
+Nothing here makes the data path wait. ``take`` is the one per-sandbox step on the event loop (it
 reads the planes' meters, which only the loop may touch); the outbox's per-sandbox work (merging,
-freezing, ``push_batch``, an answer's bookkeeping) runs in a thread of the reporter's own, one call at a
-time and awaited, so nothing else touches the outbox meanwhile; at 10,000 sandboxes those calls take tens
-of milliseconds that the loop would otherwise not get back (bench/bench_feed_cpu.py). A scheduler that
+freezing, ``push_columns``, an answer's bookkeeping) runs in a thread of the reporter's own, one call at
+a time and awaited, so nothing else touches the outbox meanwhile; at 10,000 sandboxes those calls take a
+few milliseconds that the loop would otherwise not get back (bench/bench_feed_cpu.py). A scheduler that
 never answers costs one pending request and its timeout.
 
 Each worker process reports on a stream of its own (``?stream=<worker index>``): the workers share one
@@ -50,7 +50,7 @@ from forwarder.ingress.feed_outbox import Outbox
 from forwarder.ingress.metering import Meter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.settings import ForwarderSettings
-from sbxnet.protocol.feed import MAX_ANSWER_BYTES, MAX_STREAM, Answer, Batch, FeedError, new_epoch, pull_answer
+from sbxnet.protocol.feed import MAX_ANSWER_BYTES, MAX_STREAM, Answer, FeedError, new_epoch, pull_answer
 
 log = logging.getLogger("sbxnet.forwarder")
 T = TypeVar("T")
@@ -208,11 +208,11 @@ class FeedReporter:
             if now >= next_tick:
                 self.ticks += 1
                 # On the loop: the planes' meters are the loop's.
-                deltas = self._meter.take_deltas(now, self._open_refresh)
+                deltas = self._meter.take(now, self._open_refresh)
                 await self._off_loop(self._outbox.add, deltas, now)
                 self._observe(now)
                 next_tick = max(next_tick + self._interval, now)
-            while not self._stopping.is_set() and await self._next_batch() is not None:
+            while not self._stopping.is_set() and await self._next_body() is not None:
                 await self._post()
             wake = self._outbox.wake_at()
             until = next_tick if wake is None or not math.isfinite(wake) else min(next_tick, wake)
@@ -221,9 +221,9 @@ class FeedReporter:
 
     async def _final_report(self) -> None:
         now = self._now()
-        await self._off_loop(self._outbox.add, self._meter.take_deltas(now, self._open_refresh), now)
+        await self._off_loop(self._outbox.add, self._meter.take(now, self._open_refresh), now)
         for _ in range(FINAL_ATTEMPTS):
-            if await self._next_batch(ignore_backoff=True) is None:
+            if await self._next_body(ignore_backoff=True) is None:
                 return
             if await self._post() not in ANSWERED:
                 return  # no second try at stop: the scheduler is away
@@ -240,16 +240,15 @@ class FeedReporter:
             await asyncio.wait([fut])
             raise
 
-    async def _next_batch(self, *, ignore_backoff: bool = False) -> Batch | None:
-        return await self._off_loop(self._outbox.next_batch, self._now(), ignore_backoff=ignore_backoff)
+    async def _next_body(self, *, ignore_backoff: bool = False) -> bytes | None:
+        return await self._off_loop(self._outbox.next_body, self._now(), ignore_backoff=ignore_backoff)
 
     async def _post(self) -> str:
         """POST the in-flight batch, hand the outcome to the outbox, count and log it; returns the result
         label (``ANSWERED`` or a failure reason)."""
-        body, batch = self._outbox.in_flight_body, self._outbox.in_flight
-        assert body is not None and batch is not None
+        body, key = self._outbox.in_flight_body, self._outbox.in_flight_key
+        assert body is not None and key is not None
         self.posts += 1
-        key = (batch.epoch, batch.seq)
         if key == self._last_sent and self._metrics is not None:
             self._metrics.feed_resends.inc()
         self._last_sent = key

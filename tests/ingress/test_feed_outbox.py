@@ -6,6 +6,7 @@ contract says a SIGKILLed forwarder loses."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -16,10 +17,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from forwarder.ingress.feed_outbox import BACKOFF_CAP_S, Outbox, backoff_delay
-from forwarder.ingress.metering import ConnMeter, Meter, SandboxDelta
+from forwarder.ingress.metering import ConnMeter, Deltas, Meter, SandboxDelta
 from sbxnet.errors import LocalProtocolError
 from sbxnet.protocol.feed import (
     COUNT_MAX,
+    IDLE_S_MAX,
     Answer,
     Batch,
     SandboxReport,
@@ -276,6 +278,47 @@ def test_deltas_it_cannot_carry_are_dropped_and_counted() -> None:
     assert ob.dropped == 4 and ob.pending_count == 1
 
 
+def cols(now: float, **entries: tuple[object, object, object, object]) -> Deltas:
+    """A take as columns (what ``Meter.take`` gives): sandbox=(up, down, open, last)."""
+    v = list(entries.values())
+    return Deltas(now, list(entries), [e[0] for e in v], [e[1] for e in v], [e[2] for e in v],  # type: ignore[misc]
+                  [e[3] for e in v])  # type: ignore[misc]
+
+
+def test_columns_are_taken_whole_and_merged_like_a_dict() -> None:
+    ob, ref = outbox(), outbox()
+    ob.add(cols(1.0, a=(10, 20, 1, 0.5), b=(1, 0, 0, 0.75)), 1.0)
+    ref.add({"a": d(10, 20, 1, last=0.5), "b": d(1, 0, 0, last=0.75)}, 1.0)
+    ob.add(cols(2.0, b=(5, 5, 2, 1.5), c=(0, 0, 1, 1.0)), 2.0)
+    ref.add({"b": d(5, 5, 2, last=1.5), "c": d(0, 0, 1, last=1.0)}, 2.0)
+    b = ob.next_batch(2.5)
+    assert b is not None and b == ref.next_batch(2.5)
+    assert b.sandboxes == (SandboxReport("a", 10, 20, 1, 2.0), SandboxReport("b", 6, 5, 2, 1.0),
+                           SandboxReport("c", 0, 0, 1, 1.5))
+    assert ob.in_flight_body == ref.in_flight_body == push_batch(b)
+
+
+def test_columns_it_cannot_carry_are_dropped_and_counted() -> None:
+    ob = outbox()
+    ob.add(Deltas(0.0, ["bad/id", "", "neg", "ok", "nan", "str"], [1, 1, -1, 1, 1, 1], [1, 1, 0, 1, 1, 1],
+                  [0, 0, 0, 0, 0, 0], [0.0, 0.0, 0.0, 0.0, math.nan, "x"]), 0.0)  # type: ignore[list-item]
+    assert ob.dropped == 5 and ob.pending_count == 1
+    # With no negative byte count, add takes the columns whole; encoding finds what the wire cannot carry.
+    ob.add(Deltas(0.0, ["flt", "bool", "bad id", "ok2", "inf"], [1.5, True, 1, 2, 1],  # type: ignore[list-item]
+                  [0, 0, 0, 3, 0], [0, 0, 0, 1, 0], [0.0, 0.0, 0.0, 0.5, math.inf]), 0.0)
+    assert ob.dropped == 5 and ob.pending_count == 6
+    b = ob.next_batch(1.0)
+    assert b is not None and b.sandboxes == (SandboxReport("ok", 1, 1, 0, 1.0), SandboxReport("ok2", 2, 3, 1, 0.5))
+    assert ob.dropped == 9 and pull_batch(ob.in_flight_body or b"") == b
+
+
+def test_idle_from_columns_is_clamped_to_the_wire() -> None:
+    ob = outbox()
+    ob.add(cols(4.0, a=(1, 0, 0, 10.0), b=(1, 0, 0, 3.0), c=(1, 0, 0, -IDLE_S_MAX * 2)), 4.0)
+    b = ob.next_batch(4.0)
+    assert b is not None and [r.idle_s for r in b.sandboxes] == [0.0, 1.0, IDLE_S_MAX]
+
+
 def test_memory_is_bounded_by_sandboxes_through_a_long_outage() -> None:
     # 10,000 sandboxes moving bytes every second while the scheduler is away for ten minutes.
     ob = Outbox(epochs(), random.Random(1))
@@ -308,13 +351,15 @@ def test_memory_is_bounded_by_sandboxes_through_a_long_outage() -> None:
 # --- with the real meter -------------------------------------------------------------------------------
 
 
-def test_meter_to_outbox_directions_and_open_counts() -> None:
+@pytest.mark.parametrize("columns", [True, False])
+def test_meter_to_outbox_directions_and_open_counts(columns: bool) -> None:
     meter, ob = Meter(), outbox()
+    take = meter.take if columns else meter.take_deltas
     c = meter.open("sbx-1", "c1", 1.0)
     c.up, c.down, c.last_activity = 100, 2000, 1.5
-    ob.add(meter.take_deltas(2.0), 2.0)
+    ob.add(take(2.0), 2.0)
     meter.close(c)
-    ob.add(meter.take_deltas(3.0), 3.0)
+    ob.add(take(3.0), 3.0)
     b = ob.next_batch(3.5)
     # bytes_up (gateway -> sandbox) is the feed's bytes_in; the later take's open count (closed) wins.
     assert b is not None and b.sandboxes == (SandboxReport("sbx-1", 100, 2000, 0, 2.0),)
@@ -406,10 +451,10 @@ class Sim:
 
     def take(self, dt: float) -> None:
         self.now += dt
-        deltas = self.meter.take_deltas(self.now)
-        for sid, x in deltas.items():
-            self.added[(sid, "in")] += x.bytes_up
-            self.added[(sid, "out")] += x.bytes_down
+        deltas = self.meter.take(self.now)  # the columns, as the reporter takes them
+        for sid, up, down in zip(deltas.sandboxes, deltas.bytes_up, deltas.bytes_down, strict=True):
+            self.added[(sid, "in")] += up
+            self.added[(sid, "out")] += down
             self.distinct.add(sid)
         self.ob.add(deltas, self.now)
 
@@ -459,9 +504,10 @@ class Sim:
         for sid, u in self.meter.usage().items():
             self.lost_untaken[(sid, "in")] += u.bytes_up
             self.lost_untaken[(sid, "out")] += u.bytes_down
-        for sid, e in self.ob._pending.items():
-            self.lost_pending[(sid, "in")] += e.bytes_in
-            self.lost_pending[(sid, "out")] += e.bytes_out
+        p = self.ob._pending
+        for sid, b_in, b_out in zip(p.sandboxes, p.bytes_in, p.bytes_out, strict=True):
+            self.lost_pending[(sid, "in")] += b_in
+            self.lost_pending[(sid, "out")] += b_out
         if self.ob.in_flight is not None:
             self.crashed_in_flight.append(self.ob.in_flight)
         self.meter, self.conns = Meter(), []
