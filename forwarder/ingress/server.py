@@ -17,6 +17,7 @@ from forwarder.ingress.host_addrs import IPAddress, host_addresses
 from forwarder.ingress.metering import Meter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import DataPlane, Outcome, abort
+from forwarder.ingress.planes.memory import trim_heap
 from forwarder.ingress.sequence import ConnectionSequence
 from forwarder.ingress.settings import ForwarderSettings
 from forwarder.ingress.target_guard import TargetPolicy
@@ -26,6 +27,10 @@ from sbxnet.listen import bind_listener
 
 log = logging.getLogger("sbxnet.forwarder")
 HOST_ADDRESS_REFRESH_S = 10
+# Connections ended since the last heap trim that make the next one worth its walk of the heap (and a
+# trim every TRIM_EVERY_S seconds for fewer): what tunnels freed goes back to the kernel, not in bulk only.
+TRIM_AFTER_ENDS = 64
+TRIM_EVERY_S = 10
 
 
 def make_plane(settings: ForwarderSettings, metrics: ForwarderMetrics | None = None) -> DataPlane:
@@ -61,6 +66,8 @@ class ForwarderServer:
         self._flush_task: asyncio.Task[None] | None = None
         self._draining = False
         self._flushed = (0, 0)
+        self._ended = 0  # connections ended since start
+        self._ended_at_trim = 0
 
     def _policy(self, addresses: frozenset[IPAddress]) -> TargetPolicy:
         s = self.settings
@@ -145,9 +152,16 @@ class ForwarderServer:
             await asyncio.sleep(1.0)
             self._flush_bytes()
             tick += 1
+            self._trim_heap(every=tick % TRIM_EVERY_S == 0)
             if tick % HOST_ADDRESS_REFRESH_S == 0:
                 # Addresses come and go (taps, VIPs); the guard must refuse the current ones.
                 await self.refresh_host_addresses()
+
+    def _trim_heap(self, *, every: bool) -> None:
+        ended = self._ended - self._ended_at_trim
+        if ended >= TRIM_AFTER_ENDS or (ended and every):
+            self._ended_at_trim = self._ended
+            trim_heap()
 
     def _flush_bytes(self) -> None:
         up, down = self.meter.totals()
@@ -175,3 +189,4 @@ class ForwarderServer:
             abort(sock)
         finally:
             self.metrics.open_connections.dec()
+            self._ended += 1

@@ -4,6 +4,9 @@ It is the benchmark's middle stage and the path for kernels without TLS, chosen 
 direction is one task. Sockets are tried before they are waited on (a loop round trip per read costs
 more than the read), reads land in one buffer per loop thread and are copied onward before any await,
 and a send that the peer cannot take yet is waited on before the next read: that is the back-pressure.
+Decrypted bytes go to a buffer borrowed from the thread's pool (``memory.py``) while they move and given
+back before the next wait, so an idle tunnel holds no plaintext buffer; OpenSSL releases its own record
+buffers between records (CPython sets SSL_MODE_RELEASE_BUFFERS on every context).
 From the gateway, close_notify ends that direction (FIN to the sandbox, the other direction goes on);
 a TCP FIN without close_notify before it resets both sides, as a reset does.
 """
@@ -21,10 +24,12 @@ from typing import cast
 from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import Handoff, Outcome, abort
+from forwarder.ingress.planes.memory import thread_pool
 from forwarder.ingress.tls_link import MAX_RECORD_BODY
 
 RECV_SIZE = 1024 * 1024  # one per loop thread
-PLAINTEXT_SIZE = 256 * 1024  # one per connection, for the gateway -> sandbox direction
+PLAINTEXT_SIZE = 256 * 1024  # decrypted per delivery, gateway -> sandbox, into a buffer lent while it moves
+POOL_KEEP = 8  # given-back buffers kept for the next burst, per loop thread (8 x 272 KiB at most)
 
 _per_thread = threading.local()
 
@@ -154,49 +159,61 @@ class UserspacePlane:
         sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
         if h.leftover:
             await self._deliver(loop, up, memoryview(h.leftover), meter)
-        plain = memoryview(bytearray(PLAINTEXT_SIZE + MAX_RECORD_BODY))
+        # The plaintext buffer is borrowed when bytes arrive and given back before waiting for more: an
+        # idle tunnel holds none (memory follows bytes in flight, not tunnels).
+        pool = thread_pool(PLAINTEXT_SIZE + MAX_RECORD_BODY, POOL_KEEP)
+        plain: memoryview | None = None
         rbuf = _receive_buffer()
-        while True:
-            try:
-                got = sock.recv_into(rbuf)
-            except BlockingIOError:
-                await _ready(loop, sock, write=False)
-                continue
-            except OSError as e:
-                raise _Reset("gateway") from e
-            if not got:
-                # TCP FIN with no close_notify before it (that ends the loop below): a cut, or an
-                # attacker's truncation, not an orderly end. Both sides are reset, as for a reset.
-                raise _Reset("gateway", "fin")
-            h.link.incoming.write(rbuf[:got])  # copied out of the shared buffer before any await
-            drained.clear()
-            eof = False
+        try:
             while True:
-                n = 0
-                while n < PLAINTEXT_SIZE:
-                    try:
-                        k = cast(int, tls.read(len(plain) - n, plain[n:]))  # with a buffer: a count
-                    except ssl.SSLWantReadError:
+                try:
+                    got = sock.recv_into(rbuf)
+                except BlockingIOError:
+                    if plain is not None:
+                        pool.give(plain)
+                        plain = None
+                    await _ready(loop, sock, write=False)
+                    continue
+                except OSError as e:
+                    raise _Reset("gateway") from e
+                if not got:
+                    # TCP FIN with no close_notify before it (that ends the loop below): a cut, or an
+                    # attacker's truncation, not an orderly end. Both sides are reset, as for a reset.
+                    raise _Reset("gateway", "fin")
+                h.link.incoming.write(rbuf[:got])  # copied out of the shared buffer before any await
+                drained.clear()
+                if plain is None:
+                    plain = pool.take()
+                eof = False
+                while True:
+                    n = 0
+                    while n < PLAINTEXT_SIZE:
+                        try:
+                            k = cast(int, tls.read(len(plain) - n, plain[n:]))  # with a buffer: a count
+                        except ssl.SSLWantReadError:
+                            break
+                        except ssl.SSLZeroReturnError:
+                            eof = True
+                            break
+                        except ssl.SSLError as e:
+                            raise _TlsFailure(e.reason or "tls") from e
+                        if k == 0:
+                            eof = True
+                            break
+                        n += k
+                    if n < PLAINTEXT_SIZE:
+                        drained.set()  # no complete record left in the BIO
+                        if drained.waiting:
+                            await asyncio.sleep(0)  # let the waiting close_notify go out now
+                    if n:
+                        await self._deliver(loop, up, plain[:n], meter)
+                    if drained.is_set() or eof:
                         break
-                    except ssl.SSLZeroReturnError:
-                        eof = True
-                        break
-                    except ssl.SSLError as e:
-                        raise _TlsFailure(e.reason or "tls") from e
-                    if k == 0:
-                        eof = True
-                        break
-                    n += k
-                if n < PLAINTEXT_SIZE:
-                    drained.set()  # no complete record left in the BIO
-                    if drained.waiting:
-                        await asyncio.sleep(0)  # let the waiting close_notify go out now
-                if n:
-                    await self._deliver(loop, up, plain[:n], meter)
-                if drained.is_set() or eof:
+                if eof:
                     break
-            if eof:
-                break
+        finally:
+            if plain is not None:
+                pool.give(plain)
         drained.set()
         with contextlib.suppress(OSError):
             up.shutdown(socket.SHUT_WR)
