@@ -38,6 +38,13 @@ meets as a duplicate.
 Row versions (``store.py``): ``sandboxes.row_version``, handed out by the sequence ``row_versions`` (one
 ``nextval`` per transaction that writes rows: unique across sessions, whether or not they commit).
 
+``sandboxes`` is made with ``fillfactor = 50``: a feed batch rewrites every row it names in one
+transaction, and an update stays on its page (a HOT update: no index entry, the dead version pruned in
+place) only where the page has room for the new version of each of its rows. Full pages sent each
+batch's new versions elsewhere, the table grew with every batch (2,400 pages for 1,000 rows after 40
+batches here) and the UPDATE took about twice as long (1,000 rows: 16 vs 9 ms on the server). A
+migrated schema gets it for the pages written from then on.
+
 Schema: the same tables as SQLite's (``scheduler/sqlite_store.py``) with PostgreSQL types (BIGINT,
 DOUBLE PRECISION, BOOLEAN, an IDENTITY id), created when absent in the connection's ``search_path``
 schema under an advisory lock (replicas may start together), with its version in ``schema_version``:
@@ -111,7 +118,7 @@ CREATE TABLE sandboxes (
     fenced BOOLEAN NOT NULL,
     open_by TEXT NOT NULL DEFAULT '{}',
     row_version BIGINT NOT NULL DEFAULT 0
-);
+) WITH (fillfactor = 50);
 CREATE SEQUENCE row_versions;
 CREATE INDEX sandboxes_open ON sandboxes (sandbox) WHERE open_by <> '{}';
 CREATE TABLE feed_ledger (
@@ -146,10 +153,11 @@ _MIGRATE_1 = (
     "ALTER TABLE feed_ledger ADD COLUMN counts_forgotten BOOLEAN NOT NULL DEFAULT false",
     "UPDATE schema_version SET version = 2",
 )
-# Version 2 -> 3, as SQLite's 3 -> 4: row versions.
+# Version 2 -> 3, as SQLite's 3 -> 4: row versions; and the fillfactor (for pages written from now on).
 _MIGRATE_2 = (
     "ALTER TABLE sandboxes ADD COLUMN row_version BIGINT NOT NULL DEFAULT 0",
     "CREATE SEQUENCE row_versions",
+    "ALTER TABLE sandboxes SET (fillfactor = 50)",
     "UPDATE schema_version SET version = 3",
 )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pg_support
 import psycopg
@@ -200,6 +201,14 @@ def test_replicas_starting_together_create_the_schema_once(dsn: str, stores: lis
     stores += made
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        assert fillfactor(c) == ["fillfactor=50"]
+
+
+def fillfactor(c: psycopg.Connection[Any]) -> list[str]:
+    """The sandboxes table's storage options (a batch's updates stay on their pages only with room)."""
+    row = c.execute("SELECT reloptions FROM pg_class WHERE oid = 'sandboxes'::regclass").fetchone()
+    assert row is not None
+    return list(row[0] or [])
 
 
 # The schema as version 1 made it.
@@ -256,6 +265,7 @@ def test_an_older_schema_is_migrated_with_its_rows(dsn: str, stores: list[PgStor
     store = made[0]
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        assert fillfactor(c) == ["fillfactor=50"]
     rows = {r.sandbox: r.state for r in store.sandboxes()}
     assert (rows["sbx-a"].open_by, rows["sbx-a"].open_connections, rows["sbx-a"].bytes_in) == ({UNATTRIBUTED: 2}, 2, 7)
     assert rows["sbx-b"].open_by == {} and rows["sbx-b"].state is State.IDLE
