@@ -345,6 +345,11 @@ static int parse_out(const uint8_t *f, size_t len, struct opkt *k)
             const uint8_t *e = l4 + 8;
             if ((e[0] >> 4) != 4 || (e[0] & 15) < 5)
                 return EG_ERR_ICMP_QUOTE;
+            /* A genuine error goes back to the sender of the packet it quotes. Any other quoted source
+             * (another claim's overlay address, say) would leave as the guest wrote it: only the
+             * quoted destination becomes the claim address. */
+            if (rd32(e + 12) != rd32(ip + 16))
+                return EG_ERR_ICMP_QUOTE_SRC;
             icmp_err = 1;
         }
     }

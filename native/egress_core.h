@@ -50,6 +50,8 @@
 #define EG_ERR_VXLAN_FLAGS -20      /* vxlan_flags */
 #define EG_ERR_UNKNOWN_VNI -21      /* unknown_vni */
 #define EG_ERR_ETHERTYPE -22        /* unsupported_ethertype */
+/* Outbound, checked right after EG_ERR_ICMP_QUOTE (numbered last to keep the others stable). */
+#define EG_ERR_ICMP_QUOTE_SRC -23   /* icmp_quote_source: an ICMP error's quoted source is not its destination */
 
 struct eg_out_params {
     uint32_t claim;          /* the claim's overlay address: every source becomes this */

@@ -42,6 +42,7 @@ ERR_SHORT_ETHERNET = -19
 ERR_VXLAN_FLAGS = -20
 ERR_UNKNOWN_VNI = -21
 ERR_ETHERTYPE = -22
+ERR_ICMP_QUOTE_SRC = -23  # checked right after ERR_ICMP_QUOTE; numbered last
 
 # The metrics token of each refusal: the Python layer's name for the same fault (validate.py for guest
 # frames, vxlan.py for datagrams from the exit). Only bad_slice and no_space are the core's own: they
@@ -54,6 +55,7 @@ REASONS: dict[int, str] = {
     ERR_IP_LENGTH: "bad_ip_length",
     ERR_L4_HEADER: "bad_l4_header",
     ERR_ICMP_QUOTE: "bad_icmp_quote",
+    ERR_ICMP_QUOTE_SRC: "icmp_quote_source",
     ERR_FRAGMENT: "fragment",
     ERR_UNSUPPORTED_PROTO: "unsupported_proto",
     ERR_ICMP_CSUM: "icmp_csum",

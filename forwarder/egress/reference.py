@@ -21,6 +21,7 @@ from forwarder.egress.core_types import (
     ERR_GSO_TYPE,
     ERR_ICMP_CSUM,
     ERR_ICMP_QUOTE,
+    ERR_ICMP_QUOTE_SRC,
     ERR_IP_HEADER,
     ERR_IP_LENGTH,
     ERR_IP_OPTIONS,
@@ -178,6 +179,8 @@ def parse_out(f: Buf) -> tuple[int, Outbound | None]:
             e = l4 + 8
             if f[e] >> 4 != 4 or f[e] & 15 < 5:
                 return ERR_ICMP_QUOTE, None
+            if _u32(f, e + 12) != _u32(f, ip + 16):
+                return ERR_ICMP_QUOTE_SRC, None
             icmp_err = True
     flags, gso_type = f[0], f[1]
     gso_size, csum_start, csum_offset = _le16(f, 4), _le16(f, 6), _le16(f, 8)

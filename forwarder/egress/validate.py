@@ -11,7 +11,9 @@ The checks run in this order, so a frame with several faults always gets the sam
 2. ``unsupported_proto`` anything but TCP (6), UDP (17), ICMP (1); ``bad_l4_header`` the L4 header
    does not fit (TCP data offset under 5 or past the end; UDP length field not the packet's UDP length;
    ICMP under 8 bytes); ``bad_icmp_quote`` an ICMP error (3, 11, 12) that does not quote at least an
-   IPv4 header's 20 bytes (version 4, IHL >= 5): the rewrite puts the claim address in that quote.
+   IPv4 header's 20 bytes (version 4, IHL >= 5): the rewrite puts the claim address in that quote;
+   ``icmp_quote_source`` an ICMP error whose quoted source is not its own destination (a genuine error
+   goes back to the sender of the packet it quotes).
 3. ``bad_vnet_flags`` flag bits other than NEEDS_CSUM/DATA_VALID; ``bad_hdr_len`` hdr_len larger than
    the packet (it is otherwise ignored: the header length is recomputed from the packet).
 4. Checksum request: ``icmp_csum`` ICMP with NEEDS_CSUM; ``offload_not_negotiated`` NEEDS_CSUM without
@@ -147,6 +149,11 @@ def validate_outbound(
             quoted = frame[l4 + 8]
             if quoted >> 4 != 4 or quoted & 0xF < 5:
                 raise FrameRefused("bad_icmp_quote", f"quoted version/IHL byte {quoted:#04x}")
+            # A genuine error goes back to the sender of what it quotes; any other quoted source (another
+            # claim's overlay address, say) would leave unchanged, since only the quoted destination is
+            # rewritten.
+            if frame[l4 + 20 : l4 + 24] != frame[VNET_HDR_LEN + 16 : VNET_HDR_LEN + 20]:
+                raise FrameRefused("icmp_quote_source", "quoted source is not the destination")
         l4_header_len = 8
         csum_offset = -1
     else:

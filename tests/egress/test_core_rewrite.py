@@ -173,6 +173,7 @@ def with_hdr(ip: bytes, **kw: int) -> bytes:
 
 T = tcp(b"payload")
 U = udp(b"payload")
+OTHER_CLAIM = CLAIM + 1  # another claim's overlay address
 
 
 def mutate(ip: bytes, at: int, value: bytes) -> bytes:
@@ -198,6 +199,13 @@ REFUSALS = [
     ("icmp-error-under-8", vnet() + mutate(icmp_error(3, b"")[:25], 2, (25).to_bytes(2, "big")), ct.ERR_L4_HEADER),
     ("icmp-error-short-quote", vnet() + icmp_error(3, b"\x45" + bytes(10)), ct.ERR_ICMP_QUOTE),
     ("icmp-error-quote-not-v4", vnet() + icmp_error(11, b"\x60" + bytes(27)), ct.ERR_ICMP_QUOTE),
+    # An error quoting a packet from another claim (or from anyone but the error's destination) would
+    # leave with that quoted source: only the quoted destination is rewritten.
+    ("icmp-error-quotes-other-claim",
+     vnet() + icmp_error(3, udp(b"q", src=OTHER_CLAIM, dst=GUEST)[:28], dst=REMOTE), ct.ERR_ICMP_QUOTE_SRC),
+    ("icmp-error-quotes-own-packet", vnet() + icmp_error(11, udp(b"q")[:28]), ct.ERR_ICMP_QUOTE_SRC),
+    ("icmp-error-quote-src-one-bit-off",
+     vnet() + icmp_error(12, tcp(b"t", src=REMOTE ^ 1, dst=GUEST)[:28]), ct.ERR_ICMP_QUOTE_SRC),
     # The checksum write aimed at the IPv4 destination (csum_start 0, offset 16) must never happen.
     ("csum-into-ip-dst", with_hdr(T, flags=1, start=0, offset=16), ct.ERR_CSUM_START),
     ("csum-into-ip-src", with_hdr(T, flags=1, start=0, offset=12), ct.ERR_CSUM_START),
@@ -339,7 +347,7 @@ def test_property_valid_frames(fc: tuple[bytes, int]) -> None:
     [
         (3, udp(b"dns?", src=REMOTE, dst=GUEST)[:28], True),
         (11, tcp(b"t", src=REMOTE, dst=GUEST)[:20], True),
-        (12, b"\x46" + bytes(27), True),  # a quoted header with options: its destination is still at 16
+        (12, b"\x46" + bytes(11) + a4(REMOTE) + bytes(12), True),  # quoted options: destination still at 16
         (3, udp(b"q", src=REMOTE, dst=GUEST)[:19], False),
         (11, b"", False),
         (12, b"\x60" + bytes(39), False),

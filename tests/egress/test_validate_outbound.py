@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import dpkt
 import pytest
@@ -42,9 +43,9 @@ def tcp(payload: int = 100, opts: bytes = b"", flags: int = dpkt.tcp.TH_ACK | dp
     return bytes(dpkt.ip.IP(src=SRC, dst=DST, p=dpkt.ip.IP_PROTO_TCP, id=7, data=seg))
 
 
-def udp(payload: int = 100) -> bytes:
+def udp(payload: int = 100, src: bytes = SRC, dst: bytes = DST) -> bytes:
     dg = dpkt.udp.UDP(sport=5353, dport=53, ulen=8 + payload, data=b"u" * payload)
-    return bytes(dpkt.ip.IP(src=SRC, dst=DST, p=dpkt.ip.IP_PROTO_UDP, data=dg))
+    return bytes(dpkt.ip.IP(src=src, dst=dst, p=dpkt.ip.IP_PROTO_UDP, data=dg))
 
 
 def icmp(payload: int = 56) -> bytes:
@@ -136,7 +137,10 @@ def test_hdr_len_is_not_trusted() -> None:
 # ---------------------------------------------------------------- one test per reason
 
 GOOD_TCP = tcp(100)
-QUOTED = udp(10)[:28]  # what an ICMP error quotes: the IPv4 header and 8 bytes of what caused it
+# What an ICMP error quotes: the IPv4 header and 8 bytes of the packet that caused it, which came from
+# the error's destination to the guest.
+QUOTED = udp(10, src=DST, dst=SRC)[:28]
+OTHER_CLAIM = bytes([100, 64, 10, 8])
 
 
 @pytest.mark.parametrize(
@@ -169,6 +173,10 @@ QUOTED = udp(10)[:28]  # what an ICMP error quotes: the IPv4 header and 8 bytes 
         (vnet() + icmp_error(11, b""), "bad_icmp_quote"),
         (vnet() + icmp_error(12, b"\x60" + QUOTED[1:]), "bad_icmp_quote"),  # quotes IPv6
         (vnet() + icmp_error(3, b"\x44" + QUOTED[1:]), "bad_icmp_quote"),  # quoted IHL 4
+        # the quoted source must be the error's destination: not another claim, not the guest's own packet
+        (vnet() + icmp_error(3, udp(10, src=OTHER_CLAIM, dst=SRC)[:28]), "icmp_quote_source"),
+        (vnet() + icmp_error(11, udp(10)[:28]), "icmp_quote_source"),
+        (vnet() + icmp_error(12, patch(QUOTED, 15, "!B", DST[3] ^ 1)), "icmp_quote_source"),
         (vnet() + patch(icmp_error(3, b"")[:27], 2, "!H", 27), "bad_l4_header"),  # not even 8 bytes
         (vnet(0x04) + GOOD_TCP, "bad_vnet_flags"),
         (vnet(0x80) + GOOD_TCP, "bad_vnet_flags"),
@@ -254,7 +262,8 @@ def test_any_bytes_parse_or_refuse(data: bytes) -> None:
 )
 def test_accepted_frames_keep_the_invariants(kind: str, payload: int, flags: int, gso_type: int,
                                              gso_size: int, start: int, off: int, mtu: int) -> None:
-    pkt = {"tcp": tcp, "udp": udp, "icmp": icmp}[kind](payload)
+    build: dict[str, Callable[[int], bytes]] = {"tcp": tcp, "udp": udp, "icmp": icmp}
+    pkt = build[kind](payload)
     frame = vnet(flags, gso_type, 0, gso_size, start, off) + pkt
     try:
         f = validate_outbound(frame, mtu)

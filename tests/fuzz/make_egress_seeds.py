@@ -48,6 +48,8 @@ def frames() -> dict[str, bytes]:
         "icmp-param-problem": vnet() + icmp_error(12, udp(b"p" * 40, src=REMOTE, dst=GUEST)),
         "icmp-error-short-quote": vnet() + icmp_error(3, b"\x45" + bytes(12)),
         "icmp-error-quote-not-ipv4": vnet() + icmp_error(11, b"\x60" + bytes(39)),
+        "icmp-error-quotes-other-claim": vnet() + icmp_error(3, udp(b"dns", src=CLAIM + 1, dst=GUEST)[:28]),
+        "icmp-error-quotes-own-packet": vnet() + icmp_error(11, tcp(b"t")[:28]),
         "tso-63k-1448": csum_frame(tcp(rnd.randbytes(63000), flags=TH.TH_ACK | TH.TH_PUSH), 1, 1448),
         "tso-fin-psh-cwr-ecn": csum_frame(
             tcp(rnd.randbytes(5000), flags=TH.TH_ACK | TH.TH_PUSH | TH.TH_FIN | TH.TH_CWR), 0x81, 536

@@ -29,6 +29,7 @@ from forwarder.egress.vxlan import ETH_P_ARP, ETH_P_IP, encap, push_vxlan  # noq
 SEEDS = HERE.parent / "seeds"
 SRC = bytes([10, 0, 0, 2])
 DST = bytes([93, 184, 216, 34])
+OTHER_CLAIM = bytes([100, 64, 10, 8])
 
 
 def tcp(payload: int = 64, opts: bytes = b"") -> bytes:
@@ -37,8 +38,8 @@ def tcp(payload: int = 64, opts: bytes = b"") -> bytes:
     return bytes(dpkt.ip.IP(src=SRC, dst=DST, p=6, id=1, data=seg))
 
 
-def udp(payload: int = 64) -> bytes:
-    return bytes(dpkt.ip.IP(src=SRC, dst=DST, p=17,
+def udp(payload: int = 64, src: bytes = SRC, dst: bytes = DST) -> bytes:
+    return bytes(dpkt.ip.IP(src=src, dst=dst, p=17,
                             data=dpkt.udp.UDP(sport=5353, dport=53, ulen=8 + payload, data=b"u" * payload)))
 
 
@@ -82,10 +83,14 @@ def frame_seeds() -> dict[str, bytes]:
         "unsupported_proto-gre": vnet() + patch(tcp(), 9, "!B", 47),
         "bad_l4_header-tcp-doff": vnet() + patch(tcp(0), 32, "!B", 0xF0),
         "bad_l4_header-udp-len": vnet() + patch(udp(), 24, "!H", 9),
-        "ok-icmp-error": vnet() + icmp_error(udp()[:28]),
+        # an ICMP error quotes the packet that caused it, which came from the error's destination
+        "ok-icmp-error": vnet() + icmp_error(udp(src=DST, dst=SRC)[:28]),
         # an ICMP error whose quote cannot take the claim address
-        "bad_icmp_quote-short": vnet() + icmp_error(udp()[:19]),
-        "bad_icmp_quote-not-ipv4": vnet() + icmp_error(b"\x60" + udp()[1:28]),
+        "bad_icmp_quote-short": vnet() + icmp_error(udp(src=DST, dst=SRC)[:19]),
+        "bad_icmp_quote-not-ipv4": vnet() + icmp_error(b"\x60" + udp(src=DST, dst=SRC)[1:28]),
+        # an ICMP error quoting a packet from someone else: another claim's overlay address would leave
+        "icmp_quote_source-other-claim": vnet() + icmp_error(udp(src=OTHER_CLAIM, dst=SRC)[:28]),
+        "icmp_quote_source-own-packet": vnet() + icmp_error(udp()[:28]),
         "bad_vnet_flags": vnet(0x10) + tcp(),
         "bad_hdr_len": vnet(0, 0, 0xFFFF) + tcp(),
         "icmp_csum": vnet(1, 0, 0, 0, 20, 2) + icmp(),

@@ -42,8 +42,9 @@ class Corpus:
 
 
 # The cases the design names (a checksum offset aimed into the IPv4 header, a TCP GSO type on a UDP
-# packet) are required, so the replay fails if they go missing.
-CORE_CASES = ("csum-offset-into-ip-dst*", "tcp-gso-on-udp*")
+# packet) and an ICMP error quoting another claim's packet (issue 12) are required, so the replay fails
+# if they go missing.
+CORE_CASES = ("csum-offset-into-ip-dst*", "tcp-gso-on-udp*", "icmp-error-quotes-other-claim-*")
 # The idle feed's tricky bodies (tests/fuzz/make_feed_seeds.py): each must stay in its corpus.
 FEED_CASES = ("duplicate_sandbox-*", "bad_count-negative-*", "bad_seq-zero", "bad_json-nan-idle", "bad_seq-huge",
               "unknown_field-*", "bad_type-*", "ok-golden-*", "bad_length-*", "bad_sandbox_id-tricky-separator-*",
@@ -66,7 +67,8 @@ CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
     Corpus("segment", fuzz_segment, 30, CORE_CASES),
-    Corpus("egress_frames", fuzz_egress_frames, 10, ("bad_csum_start-aimed-at-ip*", "gso_proto_mismatch-tcpv4-on-udp"),
+    Corpus("egress_frames", fuzz_egress_frames, 10, ("bad_csum_start-aimed-at-ip*", "gso_proto_mismatch-tcpv4-on-udp",
+                                                   "icmp_quote_source-other-claim"),
            named_outcome=True),
     Corpus("vxlan", fuzz_vxlan, 10, named_outcome=True),
     Corpus("arp", fuzz_arp, 10, named_outcome=True),
