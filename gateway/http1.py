@@ -49,7 +49,7 @@ import h11
 
 from gateway.auth import Allow, Deny, Redirect, authorize
 from gateway.names import Name, NameRefused, Names
-from gateway.relay import close_cleanly, relay
+from gateway.relay import close_cleanly, drop_link, relay
 from gateway.route_source import RouteLookupFailed
 from gateway.routing import Answer, Forward, decide_http, request_target, requested_port
 from gateway.upstream import Upstream, UpstreamFailed
@@ -478,7 +478,12 @@ class H1Session:
     async def _link(self, fwd: Forward) -> _Up:
         key = (fwd.sandbox, fwd.port)
         if self.up is not None and self.up.key == key and self.up.conn.our_state is h11.IDLE:
-            return self.up
+            if self.up.upstream.stream.usable_idle():
+                return self.up
+            # The app closed its idle keep-alive connection meanwhile (on its own clock: Node.js after
+            # 5 s), or sent something unasked: that link cannot carry this request, a fresh one will.
+            drop_link(self.up.upstream.stream, self._close_link_later)
+            self.up = None
         if self.up is not None:
             # Another sandbox port now: the old link's exchanges are complete (a cut one was dropped already).
             self._close_link_later(self.up.upstream.stream)

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import ssl
 import time
+from collections.abc import Callable
 
 from sbxnet.tls_stream import TlsStream
 
@@ -124,3 +125,13 @@ async def close_cleanly(stream: TlsStream, *, linger: float = CLOSE_LINGER,
                 await reading
         stream.close()
     return ended
+
+
+def drop_link(stream: TlsStream, close_later: Callable[[TlsStream], None]) -> None:
+    """A kept link found unfit for the next exchange (``TlsStream.usable_idle`` said no): one the far end
+    ended in order is ended in order too (``close_later`` runs ``close_cleanly`` off the request's path),
+    anything else (a bare FIN, a reset, bytes nobody asked for) is aborted."""
+    if stream.eof == "close_notify":
+        close_later(stream)
+    else:
+        stream.abort()

@@ -1,0 +1,129 @@
+"""A kept link to the sandbox that its app closed while it was idle is never used for the next request.
+
+Apps close idle keep-alive connections on their own clock (Node.js after 5 s by default, nginx after
+75 s): the next request on the client's connection must then go over a fresh link, not fail with 502.
+For HTTP/1.1 clients the session keeps its link between requests.
+Real parts: an app that closes each connection 0.3 s after its last response, with keep-alive headers
+(as Node.js does), behind a real forwarder and the gateway."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fwd_support import ForwarderThread, Pki
+from gw_support import DOMAIN, GatewayThread, forwarder_settings, gateway_log, registration
+
+IDLE_CLOSE = 0.3
+
+
+class IdleClosingApp:
+    """HTTP/1.1 keep-alive that closes a connection ``IDLE_CLOSE`` seconds after its last response;
+    every answer names the connection it came on (``conn``, counted from 1)."""
+
+    def __init__(self) -> None:
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.port = int(self.lsock.getsockname()[1])
+        self.conns = 0
+        self.closed_idle = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.lsock.accept()
+            except OSError:
+                return
+            self.conns += 1
+            threading.Thread(target=self._serve, args=(conn, self.conns), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, n: int) -> None:
+        buf = b""
+        served = 0
+        with conn:
+            while True:
+                conn.settimeout(IDLE_CLOSE if served else 10)
+                try:
+                    while b"\r\n\r\n" not in buf:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            return
+                        buf += chunk
+                except TimeoutError:
+                    self.closed_idle += 1
+                    return  # idle past our keep-alive timeout: close, as Node.js does
+                _head, buf = buf.split(b"\r\n\r\n", 1)
+                served += 1
+                body = json.dumps({"conn": n, "served": served}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nKeep-Alive: timeout=0\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    def stop(self) -> None:
+        self.lsock.close()
+
+
+@pytest.fixture(scope="module")
+def chain(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    fwd = ForwarderThread(forwarder_settings(pki))
+    app = IdleClosingApp()
+    routes = tmp_path_factory.mktemp("routes") / "routes.json"
+    routes.write_text(json.dumps({"sandboxes": {
+        "node": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port)}}))
+    gw = GatewayThread(pki, routes, idle_timeout=30.0)
+    yield {"gw": gw, "fwd": fwd, "app": app, "pki": pki}
+    gw.stop()
+    fwd.stop()
+    app.stop()
+
+
+def _h1_requests(chain: dict[str, Any], pauses: list[float]) -> list[tuple[int, int]]:
+    """Requests on one HTTP/1.1 client connection, a pause before each: each answer's status and the
+    app connection it came on (-1 for an answer that is not the app's)."""
+    ctx = ssl.create_default_context(cafile=str(chain["pki"].ca_file))
+    ctx.set_alpn_protocols(["http/1.1"])
+    gw: GatewayThread = chain["gw"]
+    s = ctx.wrap_socket(socket.create_connection(("127.0.0.1", gw.port), timeout=10), server_hostname=f"node.{DOMAIN}")
+    out = []
+    buf = b""
+    try:
+        for pause in pauses:
+            time.sleep(pause)
+            s.sendall(f"GET / HTTP/1.1\r\nHost: node.{DOMAIN}\r\n\r\n".encode())
+            while b"\r\n\r\n" not in buf:
+                chunk = s.recv(65536)
+                assert chunk, "the gateway closed the client connection"
+                buf += chunk
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            lines = head.decode().split("\r\n")
+            length = next(int(v) for k, _, v in (x.partition(": ") for x in lines[1:]) if k.lower() == "content-length")
+            while len(buf) < length:
+                buf += s.recv(65536)
+            body, buf = buf[:length], buf[length:]
+            code = int(lines[0].split()[1])
+            out.append((code, json.loads(body)["conn"] if code == 200 else -1))
+    finally:
+        s.close()
+    return out
+
+
+def test_http1_a_link_the_app_closed_while_idle_is_replaced(chain: dict[str, Any]) -> None:
+    app: IdleClosingApp = chain["app"]
+    before = app.conns
+    with gateway_log() as lines:
+        got = _h1_requests(chain, [0.0, 0.0, 1.0, 0.0])
+    statuses = [s for s, _ in got]
+    assert statuses == [200, 200, 200, 200], (statuses, [x for x in lines.lines if x.get("event") == "request"])
+    conns = [c for _, c in got]
+    # The first two on one app connection (kept), the third after the app closed it: a new one, kept again.
+    assert conns[0] == conns[1] and conns[2] == conns[3] and conns[2] != conns[1]
+    assert app.conns - before == 2
+    assert app.closed_idle >= 1
