@@ -14,8 +14,10 @@ sandbox's connection limit, when the certificate this connection presented cover
 connection's first sandbox. Every link it opens is logged under the client connection's ``conn_id``.
 Each stream gets its access-log line when it ends (``http1.RequestLog``), refused, answered or reset.
 
-An ``http`` port: the stream becomes one HTTP/1.1 exchange (h11 client side, one link to the forwarder per
-stream, opened only once the stream is admitted and closed when it ends): ``:method :path HTTP/1.1`` with
+An ``http`` port: the stream becomes one HTTP/1.1 exchange (h11 client side, on a link to the forwarder
+opened only once the stream is admitted; after a whole exchange the app kept alive, the link is kept, up to
+``KEPT_LINKS_PER_PORT`` per sandbox port, for the connection's next stream to that port, and checked before
+that stream uses it, since the app may close an idle connection on its own clock): ``:method :path HTTP/1.1`` with
 ``Host`` from the name, HTTP/2-only and hop-by-hop headers dropped, cookies joined, a body without
 Content-Length chunked. The response comes back as HEADERS and DATA; connection-specific response headers
 are dropped.
@@ -78,7 +80,7 @@ import h11
 from gateway import h2c_upstream as h2c
 from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, RequestLog, admit
 from gateway.names import Name
-from gateway.relay import CLOSE_LINGER, close_cleanly
+from gateway.relay import CLOSE_LINGER, close_cleanly, drop_link
 from gateway.routing import Forward
 from gateway.upstream import UpstreamFailed
 from sbxnet.tls_stream import TlsStream
@@ -90,6 +92,12 @@ _CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 3.4
 STREAM_WINDOW = 1 << 20  # what a client may send on one stream before we acknowledge it
 CONNECTION_WINDOW = 4 << 20
 _H11_ENDED = (h11.DONE, h11.MUST_CLOSE)  # an h11 side whose message is whole
+KEPT_LINKS_PER_PORT = 8  # idle HTTP/1.1 links kept per sandbox port on one client connection
+
+
+def _link_key(fwd: Forward) -> tuple[object, ...]:
+    r = fwd.route
+    return (fwd.sandbox, fwd.port, r.incarnation, r.forwarder, r.target_ip)
 # Headers that mean something for one HTTP/1.1 connection only, never sent as HTTP/2 (RFC 9113 8.2.2).
 _RESPONSE_DROP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade", b"te",
                   b"trailer"}
@@ -163,6 +171,9 @@ class H2Session:
         self._gone = False
         self._h2c: dict[tuple[object, ...], _H2cLink] = {}  # the usable ones, by route and port
         self._h2c_all: list[_H2cLink] = []  # every one opened, closed when the client connection ends
+        # HTTP/1.1 links whose last exchange was whole and kept alive by the app, for the next stream to
+        # the same sandbox port (one exchange at a time on each), by route and port.
+        self._kept: dict[tuple[object, ...], list[tuple[TlsStream, h11.Connection]]] = {}
         self.kind = "h2"
         self._started = False  # our SETTINGS went first: a GOAWAY may follow
         self._drain_wanted = False
@@ -341,6 +352,7 @@ class H2Session:
                 await asyncio.gather(*tasks, return_exceptions=True)
             for task in list(self._tasks):
                 task.cancel()
+            await self._close_kept()
             await self._close_h2c()
             if self._closer is not None:
                 await self._closer
@@ -528,26 +540,72 @@ class H2Session:
                               reason="sandbox_connection_limit")
             return
         try:
-            try:
-                upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
-            except UpstreamFailed as e:
-                self.gw.invalidate(fwd.sandbox)
-                extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
-                await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
-                return
-            conn = h11.Connection(h11.CLIENT)
+            key = _link_key(fwd)
+            kept = self._take_kept(key)
+            if kept is not None:
+                stream, conn = kept
+                leftover = b""
+            else:
+                try:
+                    upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
+                except UpstreamFailed as e:
+                    self.gw.invalidate(fwd.sandbox)
+                    extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
+                    await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
+                    return
+                stream, conn, leftover = upstream.stream, h11.Connection(h11.CLIENT), upstream.leftover
             whole = False
             try:
-                await self._exchange(st, method, d, upstream.stream, upstream.leftover, conn)
-                # Complete both ways (the request sent whole, the response read whole): end the link in order.
+                await self._exchange(st, method, d, stream, leftover, conn)
+                # Complete both ways (the request sent whole, the response read whole): keep the link for
+                # the next stream if the app keeps it alive, else end it in order.
                 whole = conn.our_state in _H11_ENDED and conn.their_state in _H11_ENDED
             finally:
-                if whole:
-                    await close_cleanly(upstream.stream)
-                else:
-                    upstream.stream.abort()
+                if not whole:
+                    stream.abort()
+                elif not self._keep(key, stream, conn):
+                    await close_cleanly(stream)
         finally:
             self.gw.release_sandbox_slot(fwd.sandbox)
+
+    def _take_kept(self, key: tuple[object, ...]) -> tuple[TlsStream, h11.Connection] | None:
+        """A kept link for ``key`` that is still fit (the app may have closed it while it was idle, on its
+        own keep-alive clock), or None; unfit ones are dropped on the way."""
+        links = self._kept.get(key)
+        while links:
+            stream, conn = links.pop()
+            if stream.usable_idle():
+                return stream, conn
+            drop_link(stream, self._close_later)
+        return None
+
+    def _keep(self, key: tuple[object, ...], stream: TlsStream, conn: h11.Connection) -> bool:
+        """Keep a link after a whole exchange, for the next stream to the same sandbox port: not when the
+        app said close, the session is ending or draining, or enough are kept already."""
+        if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            return False
+        if self._ended.is_set() or self._drain_wanted or self._closing:
+            return False
+        links = self._kept.setdefault(key, [])
+        if len(links) >= KEPT_LINKS_PER_PORT:
+            return False
+        conn.start_next_cycle()
+        links.append((stream, conn))
+        return True
+
+    def _close_later(self, stream: TlsStream) -> None:
+        task = asyncio.create_task(close_cleanly(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _close_kept(self) -> None:
+        kept, self._kept = self._kept, {}
+        links = [stream for v in kept.values() for stream, _ in v]
+        if self._cut:
+            for stream in links:
+                stream.abort()
+            return
+        await asyncio.gather(*(close_cleanly(stream) for stream in links), return_exceptions=True)
 
     async def _exchange(self, st: _Stream, method: bytes, d: Admitted, stream: TlsStream, leftover: bytes,
                         conn: h11.Connection) -> None:
@@ -629,8 +687,7 @@ class H2Session:
         """The connection this stream's sandbox port is spoken to on: opened by the first stream that
         needs it (a slot of the sandbox's connection limit, then the link with its retries), shared by
         the later ones while it is usable. Streams arriving while it opens wait for the same attempt."""
-        r = fwd.route
-        key = (fwd.sandbox, fwd.port, r.incarnation, r.forwarder, r.target_ip)
+        key = _link_key(fwd)
         link = self._h2c.get(key)
         if link is not None and link.conn is not None and not link.conn.usable:
             self._drop_h2c(link)  # a GOAWAY came: its reader is about to close it

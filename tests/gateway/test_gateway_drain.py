@@ -601,15 +601,27 @@ def test_an_http2_streams_link_ends_with_a_fin_when_whole_and_a_reset_when_cut(
         c.request(1, "/h2-whole")
         c.until(lambda: c.st.get(1, {}).get("ended"))
         assert c.status(1) == "200"
-        assert app.ended("/h2-whole") == "eof"
-        big = f"/bytes/{256 << 20}"
+        # The exchange was whole and the app keeps the connection alive: the link is kept for the next
+        # stream, and the cut of that stream resets it.
+        big = f"/bytes/{(256 << 20) + 1}"  # a path no other test here asks for
         c.request(3, big)
         c.until(lambda: c.st.get(3, {}).get("body"))
         c.conn.reset_stream(3, Codes.CANCEL)
         c.tls.sendall(c.conn.data_to_send())
         assert app.ended(big) == "reset"
+        rec = next(r for r in app.records if big in r["paths"])
+        assert rec["paths"] == ["/h2-whole", big]  # one link for both streams
     finally:
         c.tls.close()
+    # A kept link ends in order when its client connection does.
+    c = H2Client(gateway, backend["pki"], f"rec.{DOMAIN}")
+    try:
+        c.request(1, "/h2-whole-2")
+        c.until(lambda: c.st.get(1, {}).get("ended"))
+        assert c.status(1) == "200"
+    finally:
+        c.tls.close()
+    assert app.ended("/h2-whole-2") == "eof"
 
 
 def test_an_h2c_link_ends_with_goaway_and_a_fin_when_the_client_leaves(backend: dict[str, Any],

@@ -2,7 +2,8 @@
 
 Apps close idle keep-alive connections on their own clock (Node.js after 5 s by default, nginx after
 75 s): the next request on the client's connection must then go over a fresh link, not fail with 502.
-For HTTP/1.1 clients the session keeps its link between requests.
+For HTTP/1.1 clients the session keeps its link between requests; for HTTP/2 clients, links are kept
+between streams.
 Real parts: an app that closes each connection 0.3 s after its last response, with keep-alive headers
 (as Node.js does), behind a real forwarder and the gateway."""
 
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 from fwd_support import ForwarderThread, Pki
 from gw_support import DOMAIN, GatewayThread, forwarder_settings, gateway_log, registration
+from test_gateway_h2 import RawH2, status
 
 IDLE_CLOSE = 0.3
 
@@ -127,3 +129,24 @@ def test_http1_a_link_the_app_closed_while_idle_is_replaced(chain: dict[str, Any
     assert conns[0] == conns[1] and conns[2] == conns[3] and conns[2] != conns[1]
     assert app.conns - before == 2
     assert app.closed_idle >= 1
+
+
+def test_http2_streams_reuse_a_link_and_never_one_the_app_closed(chain: dict[str, Any]) -> None:
+    """One HTTP/2 client connection, streams one after another: they share one link (one app connection)
+    while the app keeps it; after a pause past the app's idle close, the next stream gets a fresh link."""
+    app: IdleClosingApp = chain["app"]
+    before = app.conns
+    c = RawH2(chain, f"node.{DOMAIN}")
+    conns = []
+    try:
+        for sid, pause in ((1, 0.0), (3, 0.0), (5, 0.0), (7, 1.0), (9, 0.0)):
+            time.sleep(pause)
+            c.request(sid, f"node.{DOMAIN}")
+            out = c.wait(sid)
+            assert status(out, sid) == "200", out[sid]
+            conns.append(json.loads(out[sid]["body"])["conn"])
+    finally:
+        c.close()
+    assert conns[0] == conns[1] == conns[2]  # reused while the app kept it
+    assert conns[3] == conns[4] != conns[2]  # replaced after the app closed it, then reused again
+    assert app.conns - before == 2
