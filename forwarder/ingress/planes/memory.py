@@ -53,10 +53,13 @@ _per_thread = threading.local()
 
 
 def thread_pool(size: int, keep: int) -> BufferPool:
-    """This thread's pool of ``size``-byte buffers (made on first use)."""
-    pool: BufferPool | None = getattr(_per_thread, "pool", None)
+    """This thread's pool of ``size``-byte buffers (made on first use, keeping ``keep``)."""
+    pools: dict[int, BufferPool] | None = getattr(_per_thread, "pools", None)
+    if pools is None:
+        pools = _per_thread.pools = {}
+    pool = pools.get(size)
     if pool is None:
-        pool = _per_thread.pool = BufferPool(size, keep)
+        pool = pools[size] = BufferPool(size, keep)
     return pool
 
 

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import socket
 import ssl
-import threading
 import time
 from typing import cast
 
@@ -27,20 +26,14 @@ from forwarder.ingress.planes.interface import Handoff, Outcome, abort
 from forwarder.ingress.planes.memory import thread_pool
 from forwarder.ingress.tls_link import MAX_RECORD_BODY
 
-RECV_SIZE = 1024 * 1024  # one per loop thread
-PLAINTEXT_SIZE = 256 * 1024  # decrypted per delivery, gateway -> sandbox, into a buffer lent while it moves
-POOL_KEEP = 8  # given-back buffers kept for the next burst, per loop thread (8 x 272 KiB at most)
-
-_per_thread = threading.local()
-
-
-def _receive_buffer() -> memoryview:
-    """This thread's receive buffer, shared by its connections; never held across an await."""
-    view: memoryview | None = getattr(_per_thread, "view", None)
-    if view is None:
-        view = _per_thread.view = memoryview(bytearray(RECV_SIZE))
-    return view
-
+RECV_SIZE = 1024 * 1024  # one socket read, into a buffer lent while its bytes move
+# The most that enters a memory BIO at once, either way. A BIO's buffer grows to its largest write and is
+# kept for the session (OpenSSL never shrinks it), so a tunnel that once moved a burst would otherwise keep
+# a whole read's worth in each direction's BIO for the rest of its life (1 MiB reads: 1.5 MiB a tunnel).
+FEED_SIZE = 64 * 1024
+PLAINTEXT_SIZE = FEED_SIZE  # decrypted per delivery, gateway -> sandbox
+RAW_KEEP = 4  # given-back buffers each pool of the loop thread keeps for the next burst
+PLAIN_KEEP = 8
 
 async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write: bool) -> None:
     fut: asyncio.Future[None] = loop.create_future()
@@ -156,21 +149,25 @@ class UserspacePlane:
 
     async def _gateway_to_sandbox(self, h: Handoff, drained: _Drained) -> None:
         loop = asyncio.get_running_loop()
-        sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
+        sock, up, meter = h.link.sock, h.upstream, h.meter
         if h.leftover:
             await self._deliver(loop, up, memoryview(h.leftover), meter)
-        # The plaintext buffer is borrowed when bytes arrive and given back before waiting for more: an
-        # idle tunnel holds none (memory follows bytes in flight, not tunnels).
-        pool = thread_pool(PLAINTEXT_SIZE + MAX_RECORD_BODY, POOL_KEEP)
+        raws = thread_pool(RECV_SIZE, RAW_KEEP)
+        plains = thread_pool(PLAINTEXT_SIZE + MAX_RECORD_BODY, PLAIN_KEEP)
+        raw: memoryview | None = None
         plain: memoryview | None = None
-        rbuf = _receive_buffer()
         try:
             while True:
+                if raw is None:
+                    raw = raws.take()
                 try:
-                    got = sock.recv_into(rbuf)
+                    got = sock.recv_into(raw)
                 except BlockingIOError:
+                    # Idle until the socket is readable again: hold no buffer meanwhile.
+                    raws.give(raw)
+                    raw = None
                     if plain is not None:
-                        pool.give(plain)
+                        plains.give(plain)
                         plain = None
                     await _ready(loop, sock, write=False)
                     continue
@@ -180,65 +177,90 @@ class UserspacePlane:
                     # TCP FIN with no close_notify before it (that ends the loop below): a cut, or an
                     # attacker's truncation, not an orderly end. Both sides are reset, as for a reset.
                     raise _Reset("gateway", "fin")
-                h.link.incoming.write(rbuf[:got])  # copied out of the shared buffer before any await
-                drained.clear()
                 if plain is None:
-                    plain = pool.take()
+                    plain = plains.take()
                 eof = False
-                while True:
-                    n = 0
-                    while n < PLAINTEXT_SIZE:
-                        try:
-                            k = cast(int, tls.read(len(plain) - n, plain[n:]))  # with a buffer: a count
-                        except ssl.SSLWantReadError:
-                            break
-                        except ssl.SSLZeroReturnError:
-                            eof = True
-                            break
-                        except ssl.SSLError as e:
-                            raise _TlsFailure(e.reason or "tls") from e
-                        if k == 0:
-                            eof = True
-                            break
-                        n += k
-                    if n < PLAINTEXT_SIZE:
-                        drained.set()  # no complete record left in the BIO
-                        if drained.waiting:
-                            await asyncio.sleep(0)  # let the waiting close_notify go out now
-                    if n:
-                        await self._deliver(loop, up, plain[:n], meter)
-                    if drained.is_set() or eof:
+                for off in range(0, got, FEED_SIZE):
+                    # A slice at a time: the BIO's buffer grows to the largest write and never shrinks.
+                    h.link.incoming.write(raw[off : min(got, off + FEED_SIZE)])
+                    drained.clear()
+                    eof = await self._decrypt_and_deliver(loop, h, drained, plain)
+                    if eof:
                         break
                 if eof:
                     break
         finally:
+            if raw is not None:
+                raws.give(raw)
             if plain is not None:
-                pool.give(plain)
+                plains.give(plain)
         drained.set()
         with contextlib.suppress(OSError):
             up.shutdown(socket.SHUT_WR)
 
+    async def _decrypt_and_deliver(
+        self, loop: asyncio.AbstractEventLoop, h: Handoff, drained: _Drained, plain: memoryview
+    ) -> bool:
+        """Decrypt every complete record in the incoming BIO and deliver it; True at close_notify."""
+        tls = h.link.ssl
+        eof = False
+        while True:
+            n = 0
+            while n < PLAINTEXT_SIZE:
+                try:
+                    k = cast(int, tls.read(len(plain) - n, plain[n:]))  # with a buffer: a count
+                except ssl.SSLWantReadError:
+                    break
+                except ssl.SSLZeroReturnError:
+                    eof = True
+                    break
+                except ssl.SSLError as e:
+                    raise _TlsFailure(e.reason or "tls") from e
+                if k == 0:
+                    eof = True
+                    break
+                n += k
+            if n < PLAINTEXT_SIZE:
+                drained.set()  # no complete record left in the BIO
+                if drained.waiting:
+                    await asyncio.sleep(0)  # let the waiting close_notify go out now
+            if n:
+                await self._deliver(loop, h.upstream, plain[:n], h.meter)
+            if drained.is_set() or eof:
+                return eof
+
     async def _sandbox_to_gateway(self, h: Handoff, drained: _Drained) -> None:
         loop = asyncio.get_running_loop()
         sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
-        rbuf = _receive_buffer()
-        while True:
-            try:
-                n = up.recv_into(rbuf)
-            except BlockingIOError:
-                await _ready(loop, up, write=False)
-                continue
-            except OSError as e:
-                raise _Reset("sandbox") from e
-            if n == 0:
-                break
-            tls.write(rbuf[:n])  # encrypted into the BIO before any await
-            try:
-                await _send_all(loop, sock, memoryview(h.link.outgoing.read()))
-            except OSError as e:
-                raise _Reset("gateway") from e
-            meter.down += n
-            meter.last_activity = time.monotonic()
+        raws = thread_pool(RECV_SIZE, RAW_KEEP)
+        raw: memoryview | None = None
+        try:
+            while True:
+                if raw is None:
+                    raw = raws.take()
+                try:
+                    n = up.recv_into(raw)
+                except BlockingIOError:
+                    raws.give(raw)
+                    raw = None
+                    await _ready(loop, up, write=False)
+                    continue
+                except OSError as e:
+                    raise _Reset("sandbox") from e
+                if n == 0:
+                    break
+                for off in range(0, n, FEED_SIZE):
+                    # Encrypted a slice at a time, as the BIO's buffer keeps the size of its largest write.
+                    tls.write(raw[off : min(n, off + FEED_SIZE)])
+                    try:
+                        await _send_all(loop, sock, memoryview(h.link.outgoing.read()))
+                    except OSError as e:
+                        raise _Reset("gateway") from e
+                meter.down += n
+                meter.last_activity = time.monotonic()
+        finally:
+            if raw is not None:
+                raws.give(raw)
         # End of stream from the sandbox: close_notify, then FIN. unwrap() calls SSL_shutdown twice,
         # and the second call reads the BIO and discards any complete application record it finds
         # there (OpenSSL 3 then fails the session with APPLICATION_DATA_AFTER_CLOSE_NOTIFY); so wait until

@@ -26,6 +26,7 @@ def test_buffers_are_lent_reused_and_kept_only_up_to_keep() -> None:
 def test_each_thread_has_its_own_pool() -> None:
     here = thread_pool(8192, 2)
     assert thread_pool(8192, 2) is here
+    assert thread_pool(16384, 2) is not here and thread_pool(16384, 2).size == 16384  # a pool per size
     there: list[BufferPool] = []
     t = threading.Thread(target=lambda: there.append(thread_pool(8192, 2)))
     t.start()
