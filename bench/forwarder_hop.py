@@ -310,28 +310,59 @@ class Hop:
                 self.proc.wait()
 
 
-def start_forwarder(arm: str, work: Path, certs: Path, workers: int) -> Hop:
-    port = free_port()
-    cfg = work / f"forwarder-{arm}.toml"
-    cfg.write_text(
-        "[forwarder]\n"
-        f'listen_host = "127.0.0.1"\nlisten_port = {port}\nmetrics_port = 0\n'
-        f'cert_file = "{certs / "forwarder.crt"}"\nkey_file = "{certs / "forwarder.key"}"\n'
-        f'ca_file = "{certs / "ca.crt"}"\nclient_san_allow = ["spiffe://sbxnet.local/gateway"]\n'
-        'sandbox_prefixes = ["127.0.0.0/8"]\nallow_targets = ["127.0.0.1/32"]\n'
-        f'data_plane = "userspace"\nworkers = {workers}\nlog_level = "warning"\n'
-    )
-    log = (work / f"forwarder-{arm}.log").open("wb")
-    proc = subprocess.Popen([SBXNET, "forwarder", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT)
+def toml_table(table: str, values: dict[str, Any]) -> str:
+    """One TOML table of strings, numbers, booleans and lists of strings (what our settings files hold)."""
+
+    def lit(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return str(v)
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(lit(x) for x in v) + "]"
+        return json.dumps(str(v))
+
+    return f"[{table}]\n" + "".join(f"{k} = {lit(v)}\n" for k, v in values.items())
+
+
+def start_sbxnet(component: str, name: str, work: Path, values: dict[str, Any], port: int) -> subprocess.Popen[bytes]:
+    """``sbxnet <component> --config`` with ``values`` as its table; returns once ``port`` accepts."""
+    cfg = work / f"{component}-{name}.toml"
+    cfg.write_text(toml_table(component, values))
+    log = (work / f"{component}-{name}.log").open("wb")
+    proc = subprocess.Popen([SBXNET, component, "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     wait_port(port, proc)
+    return proc
+
+
+def forwarder_values(port: int, certs: Path, *, workers: int = 1, data_plane: str = "userspace",
+                     client_san: str = "spiffe://sbxnet.local/gateway") -> dict[str, Any]:
+    """The forwarder's settings for a hop on loopback in front of a sandbox on 127.0.0.1."""
+    return {
+        "listen_host": "127.0.0.1", "listen_port": port, "metrics_port": 0,
+        "cert_file": certs / "forwarder.crt", "key_file": certs / "forwarder.key", "ca_file": certs / "ca.crt",
+        "client_san_allow": [client_san], "sandbox_prefixes": ["127.0.0.0/8"], "allow_targets": ["127.0.0.1/32"],
+        "data_plane": data_plane, "workers": workers, "log_level": "warning",
+    }
+
+
+def start_forwarder(arm: str, work: Path, certs: Path, workers: int, **settings: Any) -> Hop:
+    """Our forwarder as a hop; ``settings`` override ``forwarder_values``' (data_plane, pump_threads, ...)."""
+    port = free_port()
+    values = forwarder_values(port, certs, workers=workers)
+    values.update(settings)
+    proc = start_sbxnet("forwarder", arm, work, values, port)
     if workers > 1:
         time.sleep(1.0)  # let every worker bind before load arrives
-    return Hop(arm, port, proc, "fwd", f"workers={workers}")
+    note = ", ".join(f"{k}={values[k]}" for k in ("data_plane", "workers", "pump_threads") if k in values)
+    return Hop(arm, port, proc, "fwd", note)
 
 
 def start_haproxy(arm: str, work: Path, certs: Path, sink_port: int, threads: int, bufsize: int,
-                  tls: bool = True) -> Hop:
+                  tls: bool = True, splice: bool = False) -> Hop:
+    """HAProxy in tcp mode in front of the sink; ``tls``: it terminates TLS 1.3 with the forwarder's
+    certificate and verifies clients against the CA; ``splice``: plain TCP moved with splice(2) both ways
+    (``option splice-request`` + ``splice-response``; ``splice-auto`` splices only when it guesses a stream)."""
     port = free_port()
     pem = work / "forwarder.pem"
     if not pem.exists():
@@ -343,7 +374,8 @@ def start_haproxy(arm: str, work: Path, certs: Path, sink_port: int, threads: in
     cfg.write_text(
         f"global\n    nbthread {threads}\n    maxconn 1000\n{tune}"
         "defaults\n    mode tcp\n    timeout connect 5s\n    timeout client 120s\n    timeout server 120s\n"
-        f"frontend fe\n    bind 127.0.0.1:{port}{ssl_opts}\n    default_backend be\n"
+        + ("    option splice-request\n    option splice-response\n" if splice else "")
+        + f"frontend fe\n    bind 127.0.0.1:{port}{ssl_opts}\n    default_backend be\n"
         f"backend be\n    server sink 127.0.0.1:{sink_port}\n"
     )
     check = subprocess.run([HAPROXY, "-c", "-q", "-f", str(cfg)], capture_output=True, text=True)
@@ -352,7 +384,7 @@ def start_haproxy(arm: str, work: Path, certs: Path, sink_port: int, threads: in
     log = (work / f"haproxy-{arm}.log").open("wb")
     proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
     wait_port(port, proc)
-    note = f"nbthread={threads}" + (f" bufsize={bufsize}" if bufsize else "")
+    note = f"nbthread={threads}" + (f" bufsize={bufsize}" if bufsize else "") + (" splice" if splice else "")
     return Hop(arm, port, proc, "haproxy" if tls else "plain", note)
 
 
