@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sbxnet.app.demo", "the loopback demo: scheduler, forwarder, gateway and sample sandboxes, narrated"),
     "demo-forwarder": ("sbxnet.app.demo_forwarder",
                        "the link-level demo: a forwarder and a sample app driven by a gateway-like client"),
+    "bench": ("sbxnet.app.bench.cli", "the staged throughput benchmark: L7 two hops, L4 userspace, L4 kTLS, ..."),
 }
 
 
