@@ -28,9 +28,11 @@ class ConnMeter:
     last_activity: float  # the caller's monotonic clock
     up: int = 0  # gateway -> sandbox; only ever grows
     down: int = 0  # sandbox -> gateway; only ever grows
-    # How much of up/down earlier takes reported. The Meter's bookkeeping: planes never touch it.
+    # How much of up/down earlier takes reported, and when a take last reported its sandbox while it was
+    # the sandbox's only connection (None: not yet). The Meter's bookkeeping: planes never touch it.
     _taken_up: int = field(default=0, init=False, repr=False)
     _taken_down: int = field(default=0, init=False, repr=False)
+    _reported: float | None = field(default=None, init=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,9 @@ class _Sandbox:
 class Meter:
     def __init__(self) -> None:
         # Every sandbox with a live connection, or touched since the previous take (reported by the next).
-        self._sandboxes: dict[str, _Sandbox] = {}
+        # A sandbox whose one live connection is all there is to it (the usual case) is that ConnMeter
+        # itself, so the take reads it without a record, a set and a loop; any other is a _Sandbox.
+        self._sandboxes: dict[str, ConnMeter | _Sandbox] = {}
         self._closed_up = 0  # every closed connection's bytes since start
         self._closed_down = 0
 
@@ -101,8 +105,11 @@ class Meter:
         m = ConnMeter(sandbox_id, conn_id, last_activity=now)
         s = self._sandboxes.get(sandbox_id)
         if s is None:
-            self._sandboxes[sandbox_id] = _Sandbox({m}, now, last=now)
+            self._sandboxes[sandbox_id] = m  # _reported None: the next take reports it
+        elif type(s) is ConnMeter:
+            self._sandboxes[sandbox_id] = _Sandbox({s, m}, now if s._reported is None else s._reported, last=now)
         else:
+            assert isinstance(s, _Sandbox)
             s.conns.add(m)
             s.touched = True
             if now > s.last:
@@ -113,7 +120,9 @@ class Meter:
         """The connection is over: its bytes are final. Closing twice, or a meter from another Meter,
         does nothing."""
         s = self._sandboxes.get(m.sandbox_id)
-        if s is None or m not in s.conns:
+        if s is m:
+            s = self._sandboxes[m.sandbox_id] = _Sandbox({m}, 0.0, last=0.0)  # forgotten at the next take
+        elif not isinstance(s, _Sandbox) or m not in s.conns:
             return
         s.conns.discard(m)
         s.touched = True
@@ -138,10 +147,28 @@ class Meter:
         opens: list[int] = []
         lasts: list[float] = []
         # The loop runs for every active sandbox each interval (10,000 at the issue's scale): bound
-        # methods, locals, and the common case (one connection, nothing touched) with the fewest steps.
+        # methods, locals, and the common case (one connection, nothing else) with the fewest steps.
         add_id, add_up, add_down, add_open, add_last = ids.append, ups.append, downs.append, opens.append, lasts.append
+        sandboxes = self._sandboxes
         gone: list[str] = []
-        for sid, s in self._sandboxes.items():
+        for sid, s in sandboxes.items():
+            if type(s) is ConnMeter:
+                u, d, tu, td = s.up, s.down, s._taken_up, s._taken_down
+                if u != tu or d != td:
+                    s._taken_up, s._taken_down = u, d
+                    up, down = u - tu, d - td
+                elif s._reported is None or (refresh_s is not None and now - s._reported >= refresh_s):
+                    up = down = 0
+                else:
+                    continue
+                s._reported = now
+                add_id(sid)
+                add_up(up)
+                add_down(down)
+                add_open(1)
+                add_last(s.last_activity)
+                continue
+            assert isinstance(s, _Sandbox)
             conns = s.conns
             if s.touched:
                 up, down, last = s.up, s.down, s.last
@@ -163,16 +190,25 @@ class Meter:
                     last = m.last_activity
             if not conns:
                 gone.append(sid)
-            elif not (touched or up or down or (refresh_s is not None and now - s.reported >= refresh_s)):
+            elif touched or up or down or (refresh_s is not None and now - s.reported >= refresh_s):
+                s.reported = now
+            else:
+                if len(conns) == 1:
+                    (m,) = conns
+                    m._reported = s.reported
+                    sandboxes[sid] = m  # a value replaced, not a key added: the loop goes on
                 continue
-            s.reported = now
             add_id(sid)
             add_up(up)
             add_down(down)
             add_open(len(conns))
             add_last(last)
+            if len(conns) == 1:  # nothing else left to it: back to the plain ConnMeter
+                (m,) = conns
+                m._reported = now
+                sandboxes[sid] = m
         for sid in gone:
-            del self._sandboxes[sid]
+            del sandboxes[sid]
         return Deltas(now, ids, ups, downs, opens, lasts)
 
     def take_deltas(self, now: float, refresh_s: float | None = None) -> dict[str, SandboxDelta]:
@@ -184,6 +220,10 @@ class Meter:
         start before the first), for the sandboxes still known."""
         out: dict[str, SandboxUsage] = {}
         for sid, s in self._sandboxes.items():
+            if type(s) is ConnMeter:
+                out[sid] = SandboxUsage(s.up - s._taken_up, s.down - s._taken_down, 1, s.last_activity)
+                continue
+            assert isinstance(s, _Sandbox)
             live = s.conns
             last = s.last if s.touched else 0.0
             out[sid] = SandboxUsage(
@@ -198,6 +238,11 @@ class Meter:
         """Bytes up and down since start, every connection, exact (forgotten sandboxes included)."""
         up, down = self._closed_up, self._closed_down
         for s in self._sandboxes.values():
+            if type(s) is ConnMeter:
+                up += s.up
+                down += s.down
+                continue
+            assert isinstance(s, _Sandbox)
             for m in s.conns:
                 up += m.up
                 down += m.down

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forwarder.ingress.metering import ConnMeter, Meter, SandboxDelta
+from forwarder.ingress.metering import ConnMeter, Meter, SandboxDelta, _Sandbox
 
 
 def moved(m: ConnMeter, up: int, down: int, now: float) -> None:
@@ -177,8 +177,9 @@ def test_sum_of_all_takes_is_every_byte_metered(ops: list[tuple[str, int, int, i
         assert meter.totals() == (sum(m[0] for m in metered.values()), sum(m[1] for m in metered.values()))
         live_sandboxes = {c.sandbox_id for i, c in enumerate(conns) if i not in closed}
         # Nothing kept for closed-and-taken sandboxes (the others are touched: the next take reports them).
-        assert {sid for sid, s in meter._sandboxes.items() if s.conns} == live_sandboxes
-        assert all(s.touched for s in meter._sandboxes.values() if not s.conns)
+        records = {sid: s for sid, s in meter._sandboxes.items() if isinstance(s, _Sandbox)}
+        assert {sid for sid in meter._sandboxes if sid not in records or records[sid].conns} == live_sandboxes
+        assert all(s.touched for s in records.values() if not s.conns)
     for i, c in enumerate(conns):
         meter.close(c)
         closed.add(i)
@@ -204,3 +205,82 @@ def test_open_silent_connections_are_reported_again_every_refresh() -> None:
     assert meter.take_deltas(14.0, refresh_s=10.0) == {"sbx-a": SandboxDelta(0, 0, 0, 1.0, 13.0)}
     assert meter.take_deltas(30.0, refresh_s=10.0) == {}  # forgotten: nothing open
     assert meter._sandboxes == {}  # bounded by the live sandboxes
+
+
+# -- against a plain model: the per-sandbox records and the one-connection shortcut change nothing ---------
+
+
+class _Model:
+    """The meter as first written: live connections per sandbox, a pending entry per sandbox touched since
+    the previous take, the time each was last reported. Each take is a scan of all of them."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, list[list[float]]] = {}  # sid -> [up, down, last, taken_up, taken_down] per conn
+        self.pending: dict[str, list[float]] = {}  # sid -> [up, down, last]
+        self.reported: dict[str, float] = {}
+
+    def open(self, sid: str, now: float) -> list[float]:
+        c = [0, 0, now, 0, 0]
+        self.live.setdefault(sid, []).append(c)
+        p = self.pending.setdefault(sid, [0, 0, 0.0])
+        p[2] = max(p[2], now)
+        return c
+
+    def close(self, sid: str, c: list[float]) -> None:
+        self.live[sid].remove(c)
+        if not self.live[sid]:
+            del self.live[sid]
+        p = self.pending.setdefault(sid, [0, 0, 0.0])
+        p[0] += c[0] - c[3]
+        p[1] += c[1] - c[4]
+        p[2] = max(p[2], c[2])
+
+    def take(self, now: float, refresh_s: float | None) -> dict[str, SandboxDelta]:
+        out = {}
+        for sid in list(self.live) + [s for s in self.pending if s not in self.live]:
+            p = self.pending.pop(sid, None)
+            live = self.live.get(sid, [])
+            up = sum(c[0] - c[3] for c in live) + (p[0] if p else 0)
+            down = sum(c[1] - c[4] for c in live) + (p[1] if p else 0)
+            for c in live:
+                c[3], c[4] = c[0], c[1]
+            last = max([p[2] if p else 0.0, *(c[2] for c in live)])
+            stale = refresh_s is not None and now - self.reported.get(sid, now) >= refresh_s
+            if p is None and not up and not down and not stale:
+                continue
+            out[sid] = SandboxDelta(int(up), int(down), len(live), last, max(0.0, now - last))
+            if live:
+                self.reported[sid] = now
+            else:
+                self.reported.pop(sid, None)
+        return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["open", "move", "move", "move", "close", "take", "take"]),
+                          st.integers(0, 9), st.integers(0, 3), st.integers(0, 40)), max_size=120),
+       st.sampled_from([None, 1.0, 2.5]))
+def test_the_meter_takes_what_the_plain_model_takes(
+    ops: list[tuple[str, int, int, int]], refresh_s: float | None
+) -> None:
+    meter, model = Meter(), _Model()
+    conns: list[tuple[ConnMeter, list[float]]] = []
+    now = 0.0
+    for op, which, amount, dt in ops:
+        now += dt / 16
+        if op == "open":
+            sid = f"sbx-{which % 4}"
+            conns.append((meter.open(sid, f"c{len(conns)}", now), model.open(sid, now)))
+        elif op == "move" and conns:
+            m, c = conns[which % len(conns)]
+            moved(m, amount, amount // 2, now)
+            c[0], c[1], c[2] = c[0] + amount, c[1] + amount // 2, now
+        elif op == "close" and conns:
+            m, c = conns.pop(which % len(conns))
+            meter.close(m)
+            meter.close(m)  # twice: nothing more
+            model.close(m.sandbox_id, c)
+        elif op == "take":
+            assert meter.take_deltas(now, refresh_s) == model.take(now, refresh_s)
+        assert meter.totals()[0] >= sum(int(c[0]) for _m, c in conns)
+    assert meter.take_deltas(now + 100, refresh_s) == model.take(now + 100, refresh_s)
