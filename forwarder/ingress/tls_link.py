@@ -140,6 +140,13 @@ class TlsLink:
         self.tx_app_records += max(1, -(-len(data) // 16384)) if self.outgoing.pending > before else 0
         await self._flush()
 
+    def drop_tls(self) -> None:
+        """Free the TLS session now that the kernel carries it (kTLS plane, after the key install): the
+        SSL object with its session and the peer's certificate, and both memory BIOs, instead of holding
+        them until the connection ends. Nothing is sent: only we ever read the outgoing BIO. The link is
+        a bare socket from then on; using its TLS raises AttributeError."""
+        del self.ssl, self.incoming, self.outgoing
+
     def peercert(self) -> dict[str, object] | None:
         cert = self.ssl.getpeercert()
         return dict(cert) if cert else None

@@ -178,8 +178,11 @@ class KtlsPlane:
             abort(link.sock)
             return Outcome.TLS_ERROR if e.reason == "record_count_mismatch" else Outcome.INTERNAL
         # From here on OpenSSL's object is dead to us: never read, written or shut down again. Its
-        # memory BIOs hold nothing (checked by install); dropping it frees the SSL without a byte sent.
+        # memory BIOs hold nothing (checked by install); dropping it frees the SSL without a byte sent,
+        # now rather than at the connection's end (its session and the peer's certificate: user-space
+        # memory a long-lived tunnel would otherwise hold for nothing).
         del installed
+        link.drop_tls()
         gw_fd = link.sock.detach()
         sb_fd = h.upstream.detach()
         try:
