@@ -60,6 +60,19 @@ log = logging.getLogger("sbxnet.gateway")
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te", b"trailer",
               b"upgrade"}
+# RFC 9110 9.2.2. Such a request without a body may be sent again on a fresh link when a kept one fails
+# before any answer (the app closed it just as the request went out: RFC 9112 9.3.1).
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+
+
+def replayable(method: bytes, headers: Any) -> bool:
+    """An idempotent request with no body: nothing of it is lost if it is sent again."""
+    if method not in IDEMPOTENT:
+        return False
+    for n, v in headers:
+        if n.lower() == b"transfer-encoding" or (n.lower() == b"content-length" and v.strip() != b"0"):
+            return False
+    return True
 
 
 def smuggling_reason(raw_head: bytes) -> str | None:
@@ -214,11 +227,16 @@ class _ClientGone(Exception):
     pass
 
 
+class _KeptLinkFailed(Exception):
+    """A kept link failed before any answer to a replayable request: send it again on a fresh link."""
+
+
 @dataclass
 class _Up:
     key: tuple[str, int]
     upstream: Upstream
     conn: h11.Connection
+    reused: bool = False  # kept from an earlier exchange (not opened for this one)
 
 
 class H1Session:
@@ -479,6 +497,7 @@ class H1Session:
         key = (fwd.sandbox, fwd.port)
         if self.up is not None and self.up.key == key and self.up.conn.our_state is h11.IDLE:
             if self.up.upstream.stream.usable_idle():
+                self.up.reused = True
                 return self.up
             # The app closed its idle keep-alive connection meanwhile (on its own clock: Node.js after
             # 5 s), or sent something unasked: that link cannot carry this request, a fresh one will.
@@ -508,6 +527,17 @@ class H1Session:
                               reason="sandbox_connection_limit")
             return await self._drain_body()
         try:
+            try:
+                return await self._exchange(req, fwd, allow, host, up)
+            except _KeptLinkFailed:
+                self.gw.metrics.upstream_retries.labels("kept_link_closed").inc()
+            try:
+                up = await self._link(fwd)  # a fresh one: the failed link is gone
+            except UpstreamFailed as e:
+                self.gw.invalidate(fwd.sandbox)
+                extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
+                await self.answer(e.http_status, e.detail, extra, reason=e.reason)
+                return True
             return await self._exchange(req, fwd, allow, host, up)
         finally:
             self.gw.release_sandbox_slot(fwd.sandbox)
@@ -571,6 +601,8 @@ class H1Session:
             if isinstance(e, _ClientGone) or responded:
                 self._rec.reason = "client_gone" if isinstance(e, _ClientGone) else "upstream_broken"
                 return False
+            if up.reused and replayable(req.method, req.headers):
+                raise _KeptLinkFailed() from e
             await self.answer(502, "the sandbox's app broke the connection", close=True, reason="upstream_broken")
             return False
         self.gw.metrics.requests.labels("http", str(status)).inc()
@@ -597,6 +629,10 @@ class H1Session:
         return out
 
     async def _pump_request_body(self, up: _Up) -> None:
+        if self.h.their_state is h11.DONE and up.conn.our_state is h11.SEND_BODY:
+            # A replayed request (``_KeptLinkFailed``): the client's end of it was taken already.
+            await up.upstream.stream.write(up.conn.send(h11.EndOfMessage()))
+            return
         while up.conn.our_state is h11.SEND_BODY:
             ev = await self._client_event()
             if isinstance(ev, h11.Data):

@@ -78,7 +78,7 @@ import h2.settings
 import h11
 
 from gateway import h2c_upstream as h2c
-from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, RequestLog, admit
+from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, RequestLog, admit, replayable
 from gateway.names import Name
 from gateway.relay import CLOSE_LINGER, close_cleanly, drop_link
 from gateway.routing import Forward
@@ -93,6 +93,10 @@ STREAM_WINDOW = 1 << 20  # what a client may send on one stream before we acknow
 CONNECTION_WINDOW = 4 << 20
 _H11_ENDED = (h11.DONE, h11.MUST_CLOSE)  # an h11 side whose message is whole
 KEPT_LINKS_PER_PORT = 8  # idle HTTP/1.1 links kept per sandbox port on one client connection
+
+
+class _KeptLinkFailed(Exception):
+    """A kept link failed before any answer to a replayable request: send it again on a fresh link."""
 
 
 def _link_key(fwd: Forward) -> tuple[object, ...]:
@@ -542,31 +546,43 @@ class H2Session:
         try:
             key = _link_key(fwd)
             kept = self._take_kept(key)
-            if kept is not None:
-                stream, conn = kept
-                leftover = b""
-            else:
-                try:
-                    upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
-                except UpstreamFailed as e:
-                    self.gw.invalidate(fwd.sandbox)
-                    extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
-                    await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
-                    return
-                stream, conn, leftover = upstream.stream, h11.Connection(h11.CLIENT), upstream.leftover
-            whole = False
+            # A kept link may fail before any answer (the app closed it just as the request went out): an
+            # idempotent request with no body is then sent again on a fresh link (RFC 9112 9.3.1).
+            replay = kept is not None and st.ended and replayable(method, d.allow.headers)
             try:
-                await self._exchange(st, method, d, stream, leftover, conn)
-                # Complete both ways (the request sent whole, the response read whole): keep the link for
-                # the next stream if the app keeps it alive, else end it in order.
-                whole = conn.our_state in _H11_ENDED and conn.their_state in _H11_ENDED
-            finally:
-                if not whole:
-                    stream.abort()
-                elif not self._keep(key, stream, conn):
-                    await close_cleanly(stream)
+                await self._exchange_on(st, method, d, fwd, key, kept, replay=replay)
+            except _KeptLinkFailed:
+                self.gw.metrics.upstream_retries.labels("kept_link_closed").inc()
+                await self._exchange_on(st, method, d, fwd, key, None, replay=False)
         finally:
             self.gw.release_sandbox_slot(fwd.sandbox)
+
+    async def _exchange_on(self, st: _Stream, method: bytes, d: Admitted, fwd: Forward, key: tuple[object, ...],
+                           kept: tuple[TlsStream, h11.Connection] | None, *, replay: bool) -> None:
+        """The exchange on ``kept``, or on a link opened now."""
+        if kept is not None:
+            stream, conn = kept
+            leftover = b""
+        else:
+            try:
+                upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
+            except UpstreamFailed as e:
+                self.gw.invalidate(fwd.sandbox)
+                extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
+                await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
+                return
+            stream, conn, leftover = upstream.stream, h11.Connection(h11.CLIENT), upstream.leftover
+        whole = False
+        try:
+            await self._exchange(st, method, d, stream, leftover, conn, replay=replay)
+            # Complete both ways (the request sent whole, the response read whole): keep the link for the
+            # next stream if the app keeps it alive, else end it in order.
+            whole = conn.our_state in _H11_ENDED and conn.their_state in _H11_ENDED
+        finally:
+            if not whole:
+                stream.abort()
+            elif not self._keep(key, stream, conn):
+                await close_cleanly(stream)
 
     def _take_kept(self, key: tuple[object, ...]) -> tuple[TlsStream, h11.Connection] | None:
         """A kept link for ``key`` that is still fit (the app may have closed it while it was idle, on its
@@ -608,7 +624,7 @@ class H2Session:
         await asyncio.gather(*(close_cleanly(stream) for stream in links), return_exceptions=True)
 
     async def _exchange(self, st: _Stream, method: bytes, d: Admitted, stream: TlsStream, leftover: bytes,
-                        conn: h11.Connection) -> None:
+                        conn: h11.Connection, *, replay: bool = False) -> None:
         if leftover:
             conn.receive_data(leftover)
         started = time.monotonic()
@@ -648,6 +664,8 @@ class H2Session:
                     raise ConnectionResetError("the sandbox closed before its response ended")
         except (OSError, h11.ProtocolError) as e:
             log.debug("stream %d upstream failed: %r", st.id, e)
+            if replay and not responded:
+                raise _KeptLinkFailed() from e
             await self._upstream_broke(st, responded)
             return
         finally:

@@ -27,9 +27,12 @@ IDLE_CLOSE = 0.3
 
 class IdleClosingApp:
     """HTTP/1.1 keep-alive that closes a connection ``IDLE_CLOSE`` seconds after its last response;
-    every answer names the connection it came on (``conn``, counted from 1)."""
+    every answer names the connection it came on (``conn``, counted from 1). With ``race``, it instead
+    closes a connection, unanswered, when a second request comes on it: what a gateway sees when the app's
+    idle close and its request cross."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, race: bool = False) -> None:
+        self.race = race
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind(("127.0.0.1", 0))
@@ -63,7 +66,15 @@ class IdleClosingApp:
                 except TimeoutError:
                     self.closed_idle += 1
                     return  # idle past our keep-alive timeout: close, as Node.js does
-                _head, buf = buf.split(b"\r\n\r\n", 1)
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                buf = buf[length:]
+                if self.race and served:
+                    self.closed_idle += 1
+                    return  # closed just as the request came: it is never answered
                 served += 1
                 body = json.dumps({"conn": n, "served": served}).encode()
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nKeep-Alive: timeout=0\r\n"
@@ -75,31 +86,38 @@ class IdleClosingApp:
 
 @pytest.fixture(scope="module")
 def chain(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The gateway before two apps: ``node`` closes idle connections, ``racy`` closes a connection as a
+    second request arrives on it."""
     fwd = ForwarderThread(forwarder_settings(pki))
-    app = IdleClosingApp()
+    app, racy = IdleClosingApp(), IdleClosingApp(race=True)
     routes = tmp_path_factory.mktemp("routes") / "routes.json"
     routes.write_text(json.dumps({"sandboxes": {
-        "node": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port)}}))
+        "node": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port),
+        "racy": registration(pki, fwd.port, {racy.port: ("http", "public")}, default=racy.port)}}))
     gw = GatewayThread(pki, routes, idle_timeout=30.0)
-    yield {"gw": gw, "fwd": fwd, "app": app, "pki": pki}
+    yield {"gw": gw, "fwd": fwd, "app": app, "racy": racy, "pki": pki}
     gw.stop()
     fwd.stop()
     app.stop()
+    racy.stop()
 
 
-def _h1_requests(chain: dict[str, Any], pauses: list[float]) -> list[tuple[int, int]]:
+def _h1_requests(chain: dict[str, Any], pauses: list[float], *, sandbox: str = "node",
+                 method: str = "GET", body: bytes = b"") -> list[tuple[int, int]]:
     """Requests on one HTTP/1.1 client connection, a pause before each: each answer's status and the
     app connection it came on (-1 for an answer that is not the app's)."""
     ctx = ssl.create_default_context(cafile=str(chain["pki"].ca_file))
     ctx.set_alpn_protocols(["http/1.1"])
     gw: GatewayThread = chain["gw"]
-    s = ctx.wrap_socket(socket.create_connection(("127.0.0.1", gw.port), timeout=10), server_hostname=f"node.{DOMAIN}")
+    s = ctx.wrap_socket(socket.create_connection(("127.0.0.1", gw.port), timeout=10),
+                        server_hostname=f"{sandbox}.{DOMAIN}")
     out = []
     buf = b""
     try:
         for pause in pauses:
             time.sleep(pause)
-            s.sendall(f"GET / HTTP/1.1\r\nHost: node.{DOMAIN}\r\n\r\n".encode())
+            framing = f"Content-Length: {len(body)}\r\n" if body else ""
+            s.sendall(f"{method} / HTTP/1.1\r\nHost: {sandbox}.{DOMAIN}\r\n{framing}\r\n".encode() + body)
             while b"\r\n\r\n" not in buf:
                 chunk = s.recv(65536)
                 assert chunk, "the gateway closed the client connection"
@@ -109,9 +127,11 @@ def _h1_requests(chain: dict[str, Any], pauses: list[float]) -> list[tuple[int, 
             length = next(int(v) for k, _, v in (x.partition(": ") for x in lines[1:]) if k.lower() == "content-length")
             while len(buf) < length:
                 buf += s.recv(65536)
-            body, buf = buf[:length], buf[length:]
+            answer, buf = buf[:length], buf[length:]
             code = int(lines[0].split()[1])
-            out.append((code, json.loads(body)["conn"] if code == 200 else -1))
+            out.append((code, json.loads(answer)["conn"] if code == 200 else -1))
+            if code != 200:
+                break  # the gateway closes after a 502
     finally:
         s.close()
     return out
@@ -150,3 +170,35 @@ def test_http2_streams_reuse_a_link_and_never_one_the_app_closed(chain: dict[str
     assert conns[0] == conns[1] == conns[2]  # reused while the app kept it
     assert conns[3] == conns[4] != conns[2]  # replaced after the app closed it, then reused again
     assert app.conns - before == 2
+
+
+def test_http1_an_idempotent_request_whose_kept_link_closes_under_it_is_sent_again(chain: dict[str, Any]) -> None:
+    gw: GatewayThread = chain["gw"]
+    before = gw.sample("sbxnet_gateway_upstream_retries_total", {"reason": "kept_link_closed"})
+    got = _h1_requests(chain, [0.0, 0.0, 0.0], sandbox="racy")
+    assert [code for code, _ in got] == [200, 200, 200]
+    assert len({conn for _, conn in got}) == 3  # each second request on a link was sent again on a fresh one
+    assert gw.sample("sbxnet_gateway_upstream_retries_total", {"reason": "kept_link_closed"}) - before == 2
+
+
+def test_http1_a_request_with_a_body_is_not_sent_twice(chain: dict[str, Any]) -> None:
+    """A POST (or anything with a body) that may have reached the app is never replayed: 502."""
+    got = _h1_requests(chain, [0.0, 0.0], sandbox="racy", method="POST", body=b"x" * 100)
+    assert [code for code, _ in got] == [200, 502]
+
+
+def test_http2_an_idempotent_stream_whose_kept_link_closes_under_it_is_sent_again(chain: dict[str, Any]) -> None:
+    gw: GatewayThread = chain["gw"]
+    before = gw.sample("sbxnet_gateway_upstream_retries_total", {"reason": "kept_link_closed"})
+    c = RawH2(chain, f"racy.{DOMAIN}")
+    conns = []
+    try:
+        for sid in (1, 3, 5):
+            c.request(sid, f"racy.{DOMAIN}")
+            out = c.wait(sid)
+            assert status(out, sid) == "200", out[sid]
+            conns.append(json.loads(out[sid]["body"])["conn"])
+    finally:
+        c.close()
+    assert len(set(conns)) == 3
+    assert gw.sample("sbxnet_gateway_upstream_retries_total", {"reason": "kept_link_closed"}) - before == 2
