@@ -78,7 +78,7 @@ class Mode:
 
 
 QUICK = Mode("quick", repeats=1, bulk_bytes=16 << 20, conns=8, small_conns=8, small_seconds=1.0, newconn_requests=64)
-FULL = Mode("full", repeats=3, bulk_bytes=512 << 20, conns=8, small_conns=8, small_seconds=5.0, newconn_requests=500)
+FULL = Mode("full", repeats=3, bulk_bytes=256 << 20, conns=8, small_conns=8, small_seconds=4.0, newconn_requests=300)
 MODES = {m.name: m for m in (QUICK, FULL)}
 
 

@@ -126,6 +126,9 @@ def markdown(result: dict[str, Any]) -> str:
         for why in sorted({s[2] for s in skips}):
             lines.append(f"- {', '.join(sorted({f'{a} {w}' for a, w, y in skips if y == why}))}: {why}")
         lines.append("")
+    late = [t for t in result["trials"] if "skipped" in t]
+    if late:
+        lines += [f"{len(late)} trial(s) not started: {late[0]['skipped']}.", ""]
     errors = [t for t in result["trials"] if "error" in t]
     for t in errors:
         lines.append(f"- error: {t['arm']} {t['workload']} rep {t['rep']}: {t['error'][:300]}")
@@ -163,7 +166,8 @@ def chart(result: dict[str, Any], path: Path) -> None:
             ax.barh(ys, meds, height=height, xerr=[lo, hi], capsize=2, label=wl)
         ax.set_title(title)
         ax.grid(axis="x", alpha=0.3)
-    axes[0].set_yticks(range(len(arms)), arms)
+    stage = {"1": "arm 1", "2": "arm 2", "3": "arm 3", "ref": "ref"}
+    axes[0].set_yticks(range(len(arms)), [f"{a}\n({stage[result['arms'][a]['stage']]})" for a in arms])
     axes[0].invert_yaxis()
     axes[0].legend(loc="lower right", fontsize="small")
     m = result["machine"]

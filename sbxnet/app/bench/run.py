@@ -67,6 +67,13 @@ def main(args: argparse.Namespace) -> int:
         mode = dataclasses.replace(mode, bulk_bytes=args.mib << 20)
     keys = _arms(args.arms)
     loads = plan_workloads(mode.conns, mode.small_conns)
+    if args.workloads:
+        wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        unknown = set(wanted) - {w.key for w in loads}
+        if unknown:
+            raise ConfigError(f"unknown workload(s) {', '.join(sorted(unknown))}; workloads: "
+                              + ", ".join(w.key for w in loads))
+        loads = [w for w in loads if w.key in wanted]
     console = Console(stderr=True)
     if args.list:
         for a in ARMS.values():
@@ -94,6 +101,11 @@ def main(args: argparse.Namespace) -> int:
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("trials", total=len(plan))
             for rep, wl, arm in plan:
+                if args.budget and time.time() - started > args.budget:
+                    trials.append({"rep": rep, "workload": wl.key, "kind": wl.kind, "arm": arm,
+                                   "skipped": f"--budget {args.budget:g} s spent"})
+                    progress.advance(task)
+                    continue
                 progress.update(task, description=f"{arm:14} {wl.key:7} rep {rep + 1}/{mode.repeats}")
                 t: dict[str, Any] = {"rep": rep, "workload": wl.key, "kind": wl.kind, "arm": arm,
                                      "loadavg": os.getloadavg()[0]}
