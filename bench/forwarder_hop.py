@@ -31,6 +31,10 @@ are per-connection costs that fall before "go" and are not in the figures either
 Arms are run in the order given, reversed on every other repeat (A B, B A, A B, ...), so slow drift
 of a shared, noisy machine falls on both. Each trial also reports the CPU that *other* processes
 used meanwhile (from /proc/stat), which says how noisy that trial was.
+
+``sbxnet bench`` (sbxnet/app/bench, issue 13) runs its byte-stream references with this module's client,
+sink, hops and ``run_trial``; this script stays for the arms and figures of docs/benchmarks.md's
+"Forwarder hop" section.
 """
 
 from __future__ import annotations

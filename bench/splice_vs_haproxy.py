@@ -9,6 +9,9 @@ connection and with eight. Reported per arm and connection count: GB/s (wall tim
 every byte) and the proxy's CPU-seconds per GB (utime + stime of all its threads from /proc/<pid>/stat),
 as the median and range over the rounds. This host's kernel has no TLS: this is the pump's splice loop
 alone, the kTLS arm needs a kernel with CONFIG_TLS.
+
+``sbxnet bench`` (sbxnet/app/bench, issue 13) serves its splice arms with ``--serve-pump`` and measures
+them with bench/forwarder_hop.py's client and sink, next to the other hops.
 """
 
 from __future__ import annotations
