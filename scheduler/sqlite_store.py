@@ -26,7 +26,11 @@ clock) and whether its counts were forgotten since (``counts_forgotten``), for `
 
 Row versions (``store.py``): ``sandboxes.row_version``, handed out by the one-row table ``row_versions``
 (the last one given), which a transaction that writes rows increments once; under ``BEGIN IMMEDIATE``
-no two transactions can take the same one, whichever connection they are on.
+no two transactions can take the same one, whichever connection they are on (one that rolls back hands
+its number out again: nothing was written with it). ``Tx.lock_versions`` answers from what this
+connection last read and wrote while no other connection has committed since (``PRAGMA data_version``,
+read under ``BEGIN IMMEDIATE``, moves only when another connection commits), so with one writer a feed
+batch reads no row at all; after another connection's commit it reads the versions again.
 
 The schema is created on open, with its version in ``schema_version``: version 4. Older files are
 migrated on open, in one transaction: version 1 had no webhook claim columns (added); version 2 kept one
@@ -176,6 +180,8 @@ _OPEN_FROM = (
     "AND EXISTS (SELECT 1 FROM json_each(sandboxes.open_by) WHERE key = ?) ORDER BY sandbox"
 )
 _LOCK_CHUNK = 500  # IDs per SELECT ... IN (...): well under SQLite's limit on bound parameters
+_ABSENT = -1  # in the known versions: the sandbox is not stored
+_KNOWN_MAX = 1_000_000  # known versions beyond this (sandboxes removed elsewhere, never seen again): start afresh
 
 Synchronous = Literal["FULL", "NORMAL"]
 
@@ -187,6 +193,9 @@ class SqliteTx:
         self._store = store
         self._open = True
         self._version: int | None = None
+        # Row versions this transaction wrote, for the store's known versions once it commits (None:
+        # written if it was stored, which this connection does not know: forget it).
+        self.wrote: dict[str, int | None] = {}
 
     def _c(self) -> sqlite3.Connection:
         if not self._open:
@@ -202,13 +211,39 @@ class SqliteTx:
         for row in self._select(_ROW_COLS, ids):
             s = self._store._sandbox_of(row)
             out[s.sandbox] = s
+        known = self._store._known
         for sid in ids:
-            if sid not in out:
+            row = out.get(sid)
+            if row is None:
                 self._store._regs.forget(sid)
+            known[sid] = _ABSENT if row is None else row.version
         return out
 
     def lock_versions(self, sandboxes: Collection[str]) -> dict[str, int]:
-        return {str(sid): int(v) for sid, v in self._select("sandbox, row_version", list(dict.fromkeys(sandboxes)))}
+        known = self._store._known
+        out: dict[str, int] = {}
+        missing: list[str] = []
+        for sid in dict.fromkeys(sandboxes):
+            v = known.get(sid)
+            if v is None:
+                missing.append(sid)
+            elif v != _ABSENT:
+                out[sid] = v
+        if missing:
+            found = dict(self._select("sandbox, row_version", missing))
+            for sid in missing:
+                v = found.get(sid)
+                known[sid] = _ABSENT if v is None else v
+                if v is not None:
+                    out[sid] = v
+        return out
+
+    def _wrote(self, sandboxes: Collection[str], version: int) -> None:
+        """``save``'s rows: written where stored, which the known versions say or leave open."""
+        known, wrote = self._store._known, self.wrote
+        for sid in sandboxes:
+            was = wrote.get(sid, known.get(sid))
+            wrote[sid] = None if was is None else _ABSENT if was == _ABSENT else version
 
     def _select(self, columns: str, ids: list[str]) -> Iterator[sqlite3.Row]:
         c = self._c()
@@ -234,17 +269,21 @@ class SqliteTx:
         body = push_registration(registration).decode()
         version = self.written_version()
         c.execute(_PUT, (sandbox, registration.incarnation, body, registered_at, version, *state_row(state)))
+        self.wrote[sandbox] = version
         return self._insert_events(c, events)
 
     def remove_registration(self, sandbox: str) -> bool:
         self._store._regs.forget(sandbox)
-        return self._c().execute("DELETE FROM sandboxes WHERE sandbox = ?", (sandbox,)).rowcount > 0
+        removed = self._c().execute("DELETE FROM sandboxes WHERE sandbox = ?", (sandbox,)).rowcount > 0
+        self.wrote[sandbox] = _ABSENT
+        return removed
 
     def save(self, updates: Mapping[str, SandboxState], events: Sequence[Event]) -> list[int]:
         c = self._c()
         if updates:
             version = self.written_version()
             c.executemany(_UPDATE_STATE, [(*state_row(st), version, sid) for sid, st in updates.items()])
+            self._wrote(updates, version)
         return self._insert_events(c, events)
 
     def save_meters(self, updates: Mapping[str, SandboxState], counts: bool = True) -> None:
@@ -256,6 +295,7 @@ class SqliteTx:
         else:
             rows = [(st.last_activity, st.bytes_in, st.bytes_out, version, sid) for sid, st in updates.items()]
             self._c().executemany(_UPDATE_TRAFFIC, rows)
+        self._wrote(updates, version)
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
         rec = check_apply(batch, decision)
@@ -303,6 +343,10 @@ class SqliteStore(OneShotWrites):
             raise LocalProtocolError("bad_config", "synchronous must be FULL or NORMAL")
         self._tx: SqliteTx | None = None
         self._regs = RegistrationCache()
+        # Row versions as this connection last read or wrote them, valid while PRAGMA data_version is
+        # ``_known_at`` (no other connection has committed since); _ABSENT: not stored.
+        self._known: dict[str, int] = {}
+        self._known_at: int | None = None
         try:
             # isolation_level=None: the module opens no transaction of its own; ours are explicit.
             self._conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_s)
@@ -330,6 +374,11 @@ class SqliteStore(OneShotWrites):
         tx = self._tx = SqliteTx(self)
         try:
             conn.execute("BEGIN IMMEDIATE")
+            # Under the write lock: no other connection can commit until this transaction ends.
+            seen = conn.execute("PRAGMA data_version").fetchone()[0]
+            if seen != self._known_at or len(self._known) > _KNOWN_MAX:
+                self._known.clear()
+                self._known_at = seen
             yield tx
             conn.execute("COMMIT")
         except sqlite3.Error as e:
@@ -338,11 +387,21 @@ class SqliteStore(OneShotWrites):
         except BaseException:
             self._rollback()
             raise
+        else:
+            known = self._known
+            for sid, v in tx.wrote.items():
+                if v is None:
+                    known.pop(sid, None)
+                else:
+                    known[sid] = v
         finally:
             tx.end()
             self._tx = None
 
     def _rollback(self) -> None:
+        # What this transaction read may include its own writes, now undone: know nothing.
+        self._known.clear()
+        self._known_at = None
         try:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")

@@ -343,6 +343,42 @@ def test_a_claim_on_a_record_that_moved_conflicts_and_writes_nothing(db: Path) -
     b.close()
 
 
+def test_row_versions_are_read_again_only_after_another_connection_committed(db: Path) -> None:
+    """With one writer a batch reads no row: lock_versions answers from what this connection read and
+    wrote (PRAGMA data_version says nobody else committed). A commit on another connection, or a
+    transaction of this one that rolled back, makes it read the versions again; the batch then applies
+    to what the other connection wrote."""
+    a, core = with_sandboxes(db, "sbx-a", "sbx-b")
+    statements: list[str] = []
+    a._conn.set_trace_callback(statements.append)
+    reads = lambda: [q for q in statements if q.startswith("SELECT") and "FROM sandboxes WHERE sandbox IN" in q]  # noqa: E731
+    b1 = batch(E1, 1, ("sbx-a", 1, 1), ("sbx-b", 1, 1))
+    assert ingest_batch(core, a, FWD, b1, 200.0)[0].apply
+    assert len(reads()) == 1  # the rows: this connection wrote their versions, but the core holds none
+    statements.clear()
+    for seq in (2, 3):
+        assert ingest_batch(core, a, FWD, batch(E1, seq, ("sbx-a", 1, 1), ("sbx-b", 1, 1)), 200.0 + seq)[0].apply
+    assert reads() == []
+    b, core_b = opened(db)  # another connection holds sbx-b
+    with b.transaction() as tx:
+        sync_core(core_b, ["sbx-b"], tx.lock(["sbx-b"]))
+        held = core_b.hold("sbx-b", 1000.0, 210.0)
+        tx.save({"sbx-b": core_b.snapshot("sbx-b")}, held.events)
+    statements.clear()
+    assert ingest_batch(core, a, FWD, batch(E1, 4, ("sbx-a", 1, 1), ("sbx-b", 1, 1)), 220.0)[0].apply
+    assert len(reads()) == 2 and "row_version FROM" in reads()[0]  # the versions, then sbx-b's row alone
+    assert core.snapshot("sbx-b").hold_until == 1210.0 and totals(a)["sbx-b"] == (4, 4)
+    statements.clear()
+    with pytest.raises(RuntimeError), a.transaction() as tx:
+        tx.save({"sbx-a": core.snapshot("sbx-a")}, [])
+        raise RuntimeError("rolled back")
+    assert ingest_batch(core, a, FWD, batch(E1, 5, ("sbx-a", 1, 1), ("sbx-b", 1, 1)), 230.0)[0].apply
+    assert len(reads()) == 1  # the versions again: every one the core's
+    assert totals(a) == {"sbx-a": (5, 5), "sbx-b": (5, 5)} and load_core(b).status(231.0) == core.status(231.0)
+    b.close()
+    a.close()
+
+
 def fire_timers(core: TimerCore, store: SqliteStore, now: float) -> list[Event]:
     """The service's pattern for an idle timer: lock the sandboxes the core thinks are due, restore what
     the store holds, run the timers, save what changed."""
