@@ -213,10 +213,10 @@ class SqliteTx:
             out[s.sandbox] = s
         known = self._store._known
         for sid in ids:
-            row = out.get(sid)
-            if row is None:
+            got = out.get(sid)
+            if got is None:
                 self._store._regs.forget(sid)
-            known[sid] = _ABSENT if row is None else row.version
+            known[sid] = _ABSENT if got is None else got.version
         return out
 
     def lock_versions(self, sandboxes: Collection[str]) -> dict[str, int]:
@@ -230,7 +230,7 @@ class SqliteTx:
             elif v != _ABSENT:
                 out[sid] = v
         if missing:
-            found = dict(self._select("sandbox, row_version", missing))
+            found: dict[str, int] = {str(r[0]): int(r[1]) for r in self._select("sandbox, row_version", missing)}
             for sid in missing:
                 v = found.get(sid)
                 known[sid] = _ABSENT if v is None else v
