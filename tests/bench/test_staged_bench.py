@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from sbxnet.app.bench import report
 from sbxnet.app.bench.http_peer import LAST_CHUNK, chunk, reframe
 from sbxnet.app.bench.plan import ARMS, QUICK, schedule, supports, workloads
 
@@ -88,6 +89,11 @@ def test_quick_mode_writes_every_arm(tmp_path: Path) -> None:
         assert all(row.count("|") == header.count("|") for row in rows)
     w, h = png_size((out / "bench.png").read_bytes())
     assert w > 400 and h > 200
+    # inside the emulated kernel every figure is marked: the same results rendered as if from there
+    result["functional_only"] = True
+    marked = report.markdown(result)
+    assert report.FUNCTIONAL in marked and marked.count("(functional only) |") == 2
+    assert report.FUNCTIONAL not in md or os.environ.get("SBXNET_IN_VM") == "1"
 
 
 def test_schedule_interleaves_and_leaves_out_what_an_arm_cannot_run() -> None:

@@ -99,7 +99,8 @@ def markdown(result: dict[str, Any]) -> str:
               f"{m['loadavg_before'][0]:.2f} before, {m['loadavg_after'][0]:.2f} after. kTLS: {result['ktls']}.",
               "", f"Command: `{result['command']}` ({result['seconds']:.0f} s; {result['repeats']} repetition(s), "
               f"arms interleaved; median (range); GB = 10^9 bytes; CPU = utime + stime from /proc per GB).", ""]
-    lines += ["| arm | workload | n | GB/s | chain CPU-s/GB | front | hop | app | client | others' cores |",
+    mark = " (functional only)" if result["functional_only"] else ""
+    lines += [f"| arm | workload | n | GB/s{mark} | chain CPU-s/GB | front | hop | app | client | others' cores |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for arm in result["arms_order"]:
         for wl, figs in summary.get(arm, {}).items():
@@ -107,7 +108,7 @@ def markdown(result: dict[str, Any]) -> str:
                 n = figs["gbps"]["n"]
                 cells = [_cell(figs.get(k), k in ("gbps", "cpu.chain")) for k, _ in BULK]
                 lines.append(f"| {arm} | {wl} | {n} | " + " | ".join(cells) + " |")
-    lines += ["", "| arm | workload | n | requests/s | p50 ms | p99 ms | chain CPU ms/request | others' cores |",
+    lines += ["", f"| arm | workload | n | requests/s{mark} | p50 ms | p99 ms | chain CPU ms/request | others' cores |",
               "|---|---|---|---|---|---|---|---|"]
     for arm in result["arms_order"]:
         for wl, figs in summary.get(arm, {}).items():
