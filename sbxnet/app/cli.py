@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.cli", "run the TLS front end: route each request to its sandbox over the forwarder link"),
     "scheduler": ("scheduler.cli", "run the reference scheduler: routes, idle timers, holds, wakes (and `status`)"),
     "certs": ("certs.cli", "mint a CA, forwarder and gateway certificates; print SPKI pins"),
+    "egress": ("forwarder.egress.router.cli", "run the egress router: guest streams to VXLAN exits and back"),
     "tap": ("forwarder.taps.cli", "set up or remove a VM tap: fixed MAC, permanent guest neighbour entry"),
     "demo": ("sbxnet.app.demo", "the loopback demo: scheduler, forwarder, gateway and sample sandboxes, narrated"),
     "demo-forwarder": ("sbxnet.app.demo_forwarder",

@@ -1,0 +1,140 @@
+"""One armed claim's outbound path, no sockets: guest frames judged, then segmented by the C core.
+
+The guest's stream bytes sit in the stream adapter's own receive buffer; ``ClaimPath.take`` finds the
+whole frames there (the C splitter, ``OutboundBatch.split``: the same frames as ``FrameDecoder``, as
+offsets into that buffer, with no copy), judges each one in the order docs/egress.md gives (decode →
+``validate_outbound`` → ``flow_key`` → ``FlowTable.admit`` → ``ClaimLimits``) and loads only the frames
+that passed into the core's batch. The core never sees a frame the validator has not accepted (it
+accepts a superset: fragments, bytes past the total length, an unchecked UDP length). Every refusal is
+counted under its reason token in ``drops``; the C's own refusals (none are expected) under
+``core_types.REASONS``. A claim's flows, limits and counters outlive the guest's connection.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from forwarder.egress.core_types import OK, PREFIX_LEN, REASONS, OutParams, vxlan_eth_prefix
+from forwarder.egress.fastpath import OutboundBatch
+from forwarder.egress.flows import FlowTable, flow_key
+from forwarder.egress.guard import AddressGuard
+from forwarder.egress.limits import ClaimLimits
+from forwarder.egress.router.claims import ClaimSpec
+from forwarder.egress.router.settings import ExitSpec
+from forwarder.egress.validate import validate_outbound
+from forwarder.egress.vnet import HOST_OFFLOADS, VNET_HDR_LEN
+from sbxnet.errors import RemoteProtocolError
+
+Buf = bytes | bytearray | memoryview
+
+MAX_FRAMES = 64  # frames per core call
+OUT_CAPACITY = 1 << 20  # the send buffer: ~15 full 64 KiB GSO frames of 1500-byte packets
+
+
+@dataclass(slots=True)
+class Sent:
+    frames: int = 0  # guest frames accepted
+    packets: int = 0  # wire packets
+    bytes: int = 0  # inner IPv4 bytes on the wire (prefixes excluded)
+
+
+class ClaimPath:
+    """``take(buf, now)`` judges and segments the whole frames at the start of ``buf``; the caller then
+    sends ``sends()`` from ``out`` and calls ``take`` again on what is left (``take`` returns the bytes
+    consumed and whether the framing was lost, which closes the stream)."""
+
+    def __init__(
+        self, spec: ClaimSpec, exit: ExitSpec, *, vni: int, router_mac: bytes, guard: AddressGuard, mtu: int,
+        flow_cap: int, new_flow_rate: float, flow_idle_timeout: float, now: float,
+    ) -> None:
+        self.spec = spec
+        self.id = spec.id
+        self.address = int(spec.address)
+        self.exit = exit
+        self.flows = FlowTable(spec.policy.policy(), guard, cap=flow_cap, new_flow_rate=new_flow_rate,
+                               idle_timeout=flow_idle_timeout, now=now)
+        self.limits = ClaimLimits(**spec.limits.model_dump(), now=now)
+        self.batch = OutboundBatch(
+            OutParams(self.address, vxlan_eth_prefix(vni, exit.mac, router_mac), mtu=mtu),
+            max_frames=MAX_FRAMES, out_capacity=OUT_CAPACITY,
+        )
+        self.host_mtu = mtu
+        self.mtu = mtu  # the guest stream's, once negotiated
+        self.offloads = HOST_OFFLOADS
+        self.drops: Counter[str] = Counter()
+        self.sent = Sent()
+        self._pending = 0  # frames loaded in the batch that the core has not consumed yet
+        self._consumed = 0
+
+    def set_stream(self, mtu: int, offloads: int) -> None:
+        self.mtu = min(mtu, self.host_mtu)
+        self.offloads = offloads
+
+    def take(self, buf: Buf, now: float) -> tuple[int, bool]:
+        """Judge the whole frames at the start of ``buf`` and segment the accepted ones into ``out``.
+
+        Returns (bytes of ``buf`` consumed, framing lost). Once it returns, ``sends()`` lists what is
+        ready; if ``more()`` the send buffer filled up: send, then call ``resume(buf)``."""
+        batch = self.batch
+        n, consumed, bad = batch.split(buf)
+        offs, lens = batch.offs, batch.lens
+        mv = memoryview(buf)
+        k = 0
+        for i in range(n):
+            off, ln = offs[i], lens[i]
+            frame = mv[off : off + ln]
+            try:
+                f = validate_outbound(frame, self.mtu, self.offloads)
+                self.flows.admit(flow_key(frame, VNET_HDR_LEN, self.address), now)
+                self.limits.charge_frame(f, now)
+            except RemoteProtocolError as exc:
+                self.drops[exc.reason] += 1
+                continue
+            offs[k], lens[k] = off, ln
+            k += 1
+        self._pending = k
+        self._consumed = 0
+        self._run(buf)
+        return consumed, bad
+
+    def more(self) -> bool:
+        return self._pending > 0
+
+    def resume(self, buf: Buf) -> None:
+        """After the sends of a full batch: segment the frames that did not fit."""
+        self._run(buf)
+
+    def _run(self, buf: Buf) -> None:
+        batch = self.batch
+        k = self._pending
+        if self._consumed:
+            offs, lens, c = batch.offs, batch.lens, self._consumed
+            for j in range(k):
+                offs[j], lens[j] = offs[j + c], lens[j + c]
+        if k == 0:
+            batch.n_sends = 0
+            return
+        done = batch.run(buf, k)
+        if done == 0:  # cannot happen with OUT_CAPACITY over one maximal frame; never loop on it
+            self.drops["no_space"] += k
+            self._pending = self._consumed = 0
+            batch.n_sends = 0
+            return
+        sent = self.sent
+        for i in range(done):
+            r = batch.results[i]
+            if r.status == OK:
+                sent.frames += 1
+                sent.packets += r.packets
+                sent.bytes += r.len - r.packets * PREFIX_LEN
+            else:
+                self.drops[REASONS.get(r.status, "core")] += 1
+        self._pending = k - done
+        self._consumed = done
+
+    def sends(self) -> Iterator[tuple[int, int, int, int]]:
+        """(offset, length, segment size, records) of each send ready in ``batch.out``."""
+        for s in self.batch.sends[0 : self.batch.n_sends]:
+            yield s.off, s.len, s.seg, s.count
