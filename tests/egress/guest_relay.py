@@ -1,0 +1,118 @@
+"""A test guest: owns a TUN device in its network namespace and speaks stream protocol v1 to the router.
+
+It stands in for the guest agent, so the real kernel TCP/UDP/ICMP stacks of the guest namespace are on
+one end of the egress path. Run inside the guest namespace::
+
+    python guest_relay.py --uds /path/vm.vsock_2051 --addr 100.64.1.2 [--offloads 0x2b] [--mtu 1500]
+
+It opens ``/dev/net/tun`` (IFF_TUN | IFF_NO_PI | IFF_VNET_HDR), dials the Unix socket, sends the hello
+and sets the offloads the router granted (TUNSETOFFLOAD: TSO frames up to 64 KiB come out of the kernel;
+USO4 only if USO6 came too, as Linux insists), gives the device the claim's address and the default
+route, prints ``ready <granted> <mtu> <set on the device>`` and then pumps frames both ways (two
+threads). The framing is written here independently of the product's codec. A line ``inject <hex>`` on
+stdin sends that frame (vnet header + IPv4) as a guest agent could, bytes the kernel would never build
+(fragments, lengths that lie).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+TUNSETIFF = 0x400454CA
+TUNSETOFFLOAD = 0x400454D0
+IFF_TUN = 0x0001
+IFF_NO_PI = 0x1000
+IFF_VNET_HDR = 0x4000
+TUN_F_USO4 = 0x20
+TUN_F_USO6 = 0x40
+HELLO = struct.Struct("!HHIHH")
+
+
+def open_tun(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI | IFF_VNET_HDR))
+    return fd
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return bytes(data)
+
+
+def tun_to_stream(fd: int, sock: socket.socket, lock: threading.Lock) -> None:
+    while True:
+        frame = os.read(fd, 65536 + 16)
+        with lock:
+            sock.sendmsg([struct.pack("!I", len(frame)), frame])
+
+
+def stream_to_tun(fd: int, sock: socket.socket) -> None:
+    buf = bytearray()
+    while True:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            os._exit(0)  # the router closed the stream
+        buf += chunk
+        pos = 0
+        while len(buf) - pos >= 4:
+            (n,) = struct.unpack_from("!I", buf, pos)
+            if len(buf) - pos - 4 < n:
+                break
+            os.write(fd, buf[pos + 4 : pos + 4 + n])
+            pos += 4 + n
+        del buf[:pos]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--uds", required=True)
+    ap.add_argument("--addr", required=True)
+    ap.add_argument("--offloads", type=lambda s: int(s, 0), default=0x2B)  # CSUM TSO4 TSO_ECN USO4
+    ap.add_argument("--mtu", type=int, default=1500)
+    ap.add_argument("--dev", default="gtun0")
+    a = ap.parse_args()
+    fd = open_tun(a.dev)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(a.uds)
+    sock.sendall(HELLO.pack(1, 1, a.offloads, a.mtu, 0))
+    version, flags, offloads, mtu, _ = HELLO.unpack(recv_exact(sock, 12))
+    if version != 1 or not flags & 1:
+        print(f"refused {version} {flags}", flush=True)
+        return 1
+    tun_offloads = offloads
+    if offloads & TUN_F_USO4 and not offloads & TUN_F_USO6:
+        # Linux's TUNSETOFFLOAD takes USO4 only together with USO6, which this host never grants: the
+        # kernel then sends no UDP GSO frames, which the granted bit allows but does not require.
+        tun_offloads &= ~TUN_F_USO4
+    fcntl.ioctl(fd, TUNSETOFFLOAD, tun_offloads)
+    for cmd in (["addr", "add", f"{a.addr}/32", "dev", a.dev], ["link", "set", a.dev, "mtu", str(mtu), "up"],
+                ["link", "set", "lo", "up"], ["route", "add", "default", "dev", a.dev]):
+        subprocess.run(["ip", *cmd], check=True)
+    lock = threading.Lock()
+    threading.Thread(target=tun_to_stream, args=(fd, sock, lock), daemon=True).start()
+    threading.Thread(target=stream_to_tun, args=(fd, sock), daemon=True).start()
+    print(f"ready {offloads:#x} {mtu} {tun_offloads:#x}", flush=True)
+    for line in sys.stdin:
+        word, _, arg = line.strip().partition(" ")
+        if word == "inject":
+            frame = bytes.fromhex(arg)
+            with lock:
+                sock.sendall(struct.pack("!I", len(frame)) + frame)
+            print("injected", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
