@@ -386,3 +386,44 @@ def test_encap_helper_matches_the_datagrams_the_tests_build() -> None:
     # the tests' own datagram builder and the product's codec agree, so the loopback checks mean something
     ip = udp(b"x", src=REMOTE, dst=CLAIM)
     assert vxlan_datagram(ip) == encap(VNI, ROUTER_MAC, GW_MAC, ETH_P_IP, ip)
+
+
+async def test_a_guest_that_stops_reading_is_closed(tmp_path: Path) -> None:
+    port = _free_port()
+    exit_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    exit_sock.bind((EXIT, port))
+    s = EgressSettings(listen="127.0.0.1", port=port, vni=VNI, exits=[f"a={EXIT}@{GW_MAC.hex(':')}"],
+                       router_mac=ROUTER_MAC.hex(":"), stream_stall_timeout=0.5)
+    claims = parse_claims(json.dumps({"claims": [{"id": "c1", "address": "100.64.1.2", "exit": "a",
+                                                 "uds": str(tmp_path / "vm")}]}), Known(s.overlay, frozenset({"a"})))
+    router = Router(s, claims)
+    await router.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(tmp_path / "vm_2051"))
+        writer.write(push_hello(Hello()))
+        await reader.readexactly(12)
+        await asyncio.sleep(0.05)
+        stream = router.streams["c1"]
+        # The guest reads nothing more; the exit keeps sending until the stream's write buffer is full.
+        dgram = vxlan_datagram(udp(b"z" * 1400, src=REMOTE, dst=CLAIM))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while stream.paused_since is None:
+            assert loop.time() < deadline, "the stream's write buffer never filled"
+            for _ in range(64):
+                exit_sock.sendto(dgram, ("127.0.0.1", port))
+            await asyncio.sleep(0.001)
+        paused = stream.paused_since  # the program's own timestamp (monotonic, as loop.time())
+        while not stream.closed:
+            assert loop.time() < deadline, "a stalled guest was never closed"
+            exit_sock.sendto(dgram, ("127.0.0.1", port))
+            await asyncio.sleep(0.01)
+        # closed by the tick after the stall timeout, not before it
+        assert loop.time() - paused >= 0.5
+        drops = router.paths["c1"].drops
+        assert drops["guest_stalled"] == 1 and drops["guest_backlog"] >= 1
+        assert "c1" not in router.streams
+        writer.close()
+    finally:
+        await router.stop()
+        exit_sock.close()
