@@ -5,8 +5,9 @@
 sizes, for one frame and for a batch of two; every record starts with the prefix and carries an IPv4
 packet no longer than the MTU, from the claim address to the original destination, with a right header
 checksum; a GSO frame's records carry exactly its payload, in order, each with a right full L4
-checksum; whatever the validator accepts (same MTU, 128 packets) is segmented, unless the selector
-capped the packets per frame below 128.
+checksum; an ICMP error's record quotes only its destination (as the quoted source) and the claim;
+whatever the validator accepts (same MTU, 128 packets) is segmented, unless the selector capped the
+packets per frame below 128.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from forwarder.egress import core_types as ct
 from forwarder.egress import reference as ref
 from forwarder.egress.errors import FrameRefused
 from forwarder.egress.fastpath import OutboundBatch, segment
-from forwarder.egress.validate import validate_outbound
+from forwarder.egress.validate import ICMP_ERROR_TYPES, validate_outbound
 
 CLAIM = 0x64400A07
 PREFIX = ct.vxlan_eth_prefix(4242, b"\x02\x00\x00\x00\x00\x01", b"\x02\x00\x00\x00\x00\x02")
@@ -55,6 +56,15 @@ def one_input(data: bytes) -> None:
     _check_batch(frame, p)
 
 
+def _quote_wrong(pkt: bytes) -> bool:
+    """An ICMP error (not a later fragment) whose quote is not (source = its destination, destination =
+    the claim): the core refuses any other quoted source, and rewrites the quoted destination."""
+    if pkt[9] != 1 or pkt[6] & 0x1F or pkt[7] or pkt[20] not in ICMP_ERROR_TYPES:
+        return False
+    q = 20 + 8
+    return pkt[q + 12 : q + 16] != pkt[16:20] or pkt[q + 16 : q + 20] != CLAIM.to_bytes(4, "big")
+
+
 def _check_records(frame: bytes, out: bytes, info: ct.SegInfo, mtu: int) -> None:
     ihl = (frame[H] & 15) * 4
     gso = frame[1] & 0x7F
@@ -72,6 +82,8 @@ def _check_records(frame: bytes, out: bytes, info: ct.SegInfo, mtu: int) -> None
             raise AssertionError("record addresses")
         if ref.csum(pkt[:ihl]) != 0xFFFF and gso:
             raise AssertionError("record IPv4 header checksum")
+        if not gso and _quote_wrong(pkt):
+            raise AssertionError("an ICMP error's quote names an address other than its destination and the claim")
         if gso:
             if not _l4_ok(pkt):
                 raise AssertionError(f"record {i} L4 checksum")
