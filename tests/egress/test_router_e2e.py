@@ -245,6 +245,8 @@ def test_guest_traffic_leaves_as_the_claim_and_comes_back(net: Net) -> None:
     assert net.counter("from_claim") >= before + 3  # the two forged datagrams and the good frame
     assert net.counter("from_other") == 0
     assert net.counter("to_other_claim") == 0
+    # the exit reaches the claim at the router's MAC, learnt from our ARP alone
+    assert "lladdr 02:73:62:78:00:01" in _must("ip", "-n", net.exit, "neigh", "show", CLAIM, "dev", "vx0")
 
     daemon.send_signal(signal.SIGTERM)
     _, err = daemon.communicate(timeout=20)
@@ -257,4 +259,4 @@ def test_guest_traffic_leaves_as_the_claim_and_comes_back(net: Net) -> None:
     assert c1["drops"].get("bad_l4_header", 0) == 1, c1
     assert c1["bytes_out"] > size and c1["frames_out"] > 0, c1
     assert stopped[0]["claims"]["c2"]["frames_out"] == 0
-    assert stopped[0]["arp_answered"] >= 0 and stopped[0]["router"]["garp_sent"] >= 2
+    assert stopped[0]["router"]["garp_sent"] >= 2  # one per claim on arm
