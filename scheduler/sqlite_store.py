@@ -323,12 +323,14 @@ class SqliteTx:
 
     @staticmethod
     def _insert_events(c: sqlite3.Connection, events: Sequence[Event]) -> list[int]:
-        ids = []
-        for ev in events:
-            cur = c.execute(_INSERT_EVENT, event_row(ev))
-            assert cur.lastrowid is not None
-            ids.append(cur.lastrowid)
-        return ids
+        if not events:
+            return []
+        # One statement for them all (a batch that wakes a thousand sandboxes makes a thousand events).
+        # Their ids are consecutive: AUTOINCREMENT takes one more than the largest id ever used, and
+        # nobody else inserts under BEGIN IMMEDIATE.
+        c.executemany(_INSERT_EVENT, [event_row(ev) for ev in events])
+        last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
+        return list(range(last - len(events) + 1, last + 1))
 
 
 class SqliteStore(OneShotWrites):

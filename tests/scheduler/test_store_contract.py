@@ -229,6 +229,23 @@ def test_events_after_in_order_with_increasing_ids(open_store: Opener) -> None:
     assert store.events_after(0, limit=2) == every[:2] and store.events_after(ids[-1]) == []
 
 
+def test_many_events_in_one_write_get_their_ids_in_the_order_given(open_store: Opener) -> None:
+    """A batch that wakes a thousand sandboxes writes a thousand events in one statement: the ids returned
+    are the stored ones, increasing in the order given, and the next write's follow them."""
+    store, _ = with_sandboxes(open_store, "sbx-a", "sbx-b")
+    before = [e.id for e in store.events_after(0)]
+    moves = [("sbx-b", State.IDLE), ("sbx-a", State.WAKING)]
+    events = [
+        Event(moves[i % 2][0], "inc-1", State.ACTIVE, moves[i % 2][1], 500.0 + i, Why.TRAFFIC) for i in range(1000)
+    ]
+    ids = store.save({}, events)
+    more = open_store().save({}, events[:3])
+    stored = store.events_after(before[-1], limit=2000)
+    assert [e.id for e in stored] == ids + more and ids == sorted(set(ids)) and more[0] > ids[-1]
+    assert [e.event for e in stored] == events + events[:3]
+    assert [e.event.to_state for e in store.undelivered_webhooks(limit=2)] == [State.IDLE, State.WAKING]
+
+
 # --- row versions --------------------------------------------------------------------------------------
 
 
