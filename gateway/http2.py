@@ -178,6 +178,7 @@ class H2Session:
         # HTTP/1.1 links whose last exchange was whole and kept alive by the app, for the next stream to
         # the same sandbox port (one exchange at a time on each), by route and port.
         self._kept: dict[tuple[object, ...], list[tuple[TlsStream, h11.Connection]]] = {}
+        self._link_closes: set[asyncio.Task[bool]] = set()  # kept links being closed in order
         self.kind = "h2"
         self._started = False  # our SETTINGS went first: a GOAWAY may follow
         self._drain_wanted = False
@@ -611,17 +612,22 @@ class H2Session:
 
     def _close_later(self, stream: TlsStream) -> None:
         task = asyncio.create_task(close_cleanly(stream))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._link_closes.add(task)
+        task.add_done_callback(self._link_closes.discard)
 
     async def _close_kept(self) -> None:
+        """With the client connection: kept links end in order (aborted on a drain's cut), and the ends
+        already under way are waited for."""
         kept, self._kept = self._kept, {}
         links = [stream for v in kept.values() for stream, _ in v]
         if self._cut:
             for stream in links:
                 stream.abort()
+            for task in list(self._link_closes):
+                task.cancel()  # close_cleanly closes its stream however it ends
             return
-        await asyncio.gather(*(close_cleanly(stream) for stream in links), return_exceptions=True)
+        closes = [*(close_cleanly(stream) for stream in links), *self._link_closes]
+        await asyncio.gather(*closes, return_exceptions=True)
 
     async def _exchange(self, st: _Stream, method: bytes, d: Admitted, stream: TlsStream, leftover: bytes,
                         conn: h11.Connection, *, replay: bool = False) -> None:
