@@ -124,7 +124,7 @@ class SchedulerService:
         for sid in sandboxes:
             row = rows.get(sid)
             if row is not None:
-                core.restore(row.config(), row.state)
+                core.restore(row.config(), row.state, row.version)
             elif sid in core:
                 core.remove(sid)
 
@@ -336,7 +336,11 @@ class SchedulerService:
                 locked.update(more)
             events = self.core.on_timer(now)
             touched = {ev.sandbox for ev in events} | locked
-            tx.save({s: self.core.snapshot(s) for s in touched if s in self.core}, events)
+            saved = {s: self.core.snapshot(s) for s in touched if s in self.core}
+            tx.save(saved, events)
+            version = tx.written_version() if saved else 0
+        # Committed: the core holds these rows as written, so the next batch about them reads none.
+        self.core.mark_stored(saved, version)
         self.counters["timer_fires"] += len(events)
         self._published(events)
         return events
@@ -365,7 +369,10 @@ class SchedulerService:
                 events += self.core.forget_source(source, now)
                 if source != UNATTRIBUTED:
                     tx.mark_forgotten(source)
-            tx.save({s: self.core.snapshot(s) for s in sids if s in self.core}, events)
+            saved = {s: self.core.snapshot(s) for s in sids if s in self.core}
+            tx.save(saved, events)
+            version = tx.written_version() if saved else 0
+        self.core.mark_stored(saved, version)
         self._unattributed_forgotten = True
         self.counters["sources_forgotten"] += len(stale)
         for source in sources:
