@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 
@@ -33,6 +34,16 @@ TRIM_AFTER_ENDS = 64
 TRIM_EVERY_S = 10
 
 
+def pump_thread_count(settings: ForwarderSettings, cores: int) -> int:
+    """The ktls plane's splice threads in one worker: ``pump_threads``, or by default the cores shared
+    among the workers (one per core in all), at least one. One thread splices every tunnel it holds in
+    turn, so a single one is what limited the public system's eight-tunnel figure."""
+    if settings.pump_threads:
+        return settings.pump_threads
+    workers = settings.workers or cores
+    return max(1, cores // workers)
+
+
 def make_plane(settings: ForwarderSettings, metrics: ForwarderMetrics | None = None) -> DataPlane:
     if settings.data_plane == "userspace":
         from forwarder.ingress.planes.userspace import UserspacePlane
@@ -41,7 +52,8 @@ def make_plane(settings: ForwarderSettings, metrics: ForwarderMetrics | None = N
     if settings.data_plane == "ktls":
         from forwarder.ingress.planes.ktls import KtlsPlane
 
-        return KtlsPlane(metrics=metrics)  # raises KtlsUnavailable (fail closed) where the kernel has no TLS
+        # raises KtlsUnavailable (fail closed) where the kernel has no TLS
+        return KtlsPlane(threads=pump_thread_count(settings, os.cpu_count() or 1), metrics=metrics)
     raise ValueError(f"unknown data plane {settings.data_plane!r}")
 
 

@@ -52,6 +52,8 @@ class ForwarderSettings(BaseSettings):
     drain_timeout: float = Field(30.0, ge=0, le=3600)
     max_connections: int = Field(10000, ge=1, le=1_000_000)
     workers: int = Field(1, ge=0, le=256, description="processes sharing the port; 0 = one per core")
+    pump_threads: int = Field(
+        0, ge=0, le=256, description="ktls plane: splice threads per worker; 0 = the cores shared among the workers")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     # The idle feed (docs/scheduler-api.md, "The idle feed"). Unset feed_url: no feed.
