@@ -5,12 +5,21 @@ number it is given is decided here, from the settings and the cores."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from conftest import settings_for
 from fwd_support import Pki
 from pydantic import ValidationError
 
 from forwarder.ingress.server import pump_thread_count
+from forwarder.ingress.settings import ForwarderSettings
+
+
+def settings_for(pki: Pki, **over: Any) -> ForwarderSettings:
+    cert, key = pki.paths["forwarder"]
+    values: dict[str, Any] = dict(cert_file=cert, key_file=key, ca_file=pki.ca_file,
+                                  client_san_allow=["spiffe://x/gw"], sandbox_prefixes=["10.0.0.0/8"])
+    return ForwarderSettings(**{**values, **over})
 
 
 @pytest.mark.parametrize(
