@@ -93,13 +93,14 @@ def main(args: argparse.Namespace) -> int:
         with console.status("starting the arms (processes, certificates, a check through each)"):
             lab.start(keys)
         for k, why in lab.skipped.items():
-            console.print(f"[yellow]not run[/] {k}: {why}")
+            console.print(f"[yellow]not run[/] {k}: {why}", soft_wrap=True)
         running = [k for k in keys if k not in lab.skipped]
         plan = schedule(running, loads, mode.repeats)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("left"), TimeRemainingColumn())
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("trials", total=len(plan))
+            loop_start = time.time()
             for rep, wl, arm in plan:
                 if args.budget and time.time() - started > args.budget:
                     trials.append({"rep": rep, "workload": wl.key, "kind": wl.kind, "arm": arm,
@@ -116,6 +117,12 @@ def main(args: argparse.Namespace) -> int:
                     progress.console.print(f"[red]error[/] {arm} {wl.key}: {t['error'][:300]}")
                 trials.append(t)
                 progress.advance(task)
+                if not console.is_terminal:  # a log (the big-machine script's tee) gets a line per trial
+                    done = len(trials)
+                    spent = time.time() - loop_start
+                    console.print(f"{done}/{len(plan)} {arm} {wl.key} rep {rep + 1}/{mode.repeats}: "
+                                  f"{'error' if 'error' in t else 'ok'}; {spent:.0f} s, about "
+                                  f"{spent / done * (len(plan) - done):.0f} s left", soft_wrap=True)
     finally:
         lab.stop()
         if args.keep:
