@@ -8,7 +8,7 @@ adapter owns the HTTP client and the interval.
 The adapter's loop, each interval: ``add(meter.take(now), now)``; then, whenever ``next_body(now)``
 gives a body, POST it and report the outcome: a 200 or 409 whose body ``pull_answer``
 parses goes to ``on_answer``; anything else (no answer, a timeout, 5xx, another status, a body refused)
-goes to ``on_failure``. ``wake_at()`` says when ``next_batch`` may next give something.
+goes to ``on_failure``. ``wake_at()`` says when ``next_body`` may next give something.
 
 What it guarantees:
 
@@ -26,37 +26,41 @@ What it guarantees:
   10 s, each delay times a factor in [0.8, 1.2). A 409 or an ack for another seq backs off the same way,
   so a scheduler that keeps refusing is not hammered. A 200 resets the backoff.
 - At most ``MAX_SANDBOXES`` sandboxes per batch (the oldest pending first); a count that would not fit
-  the wire (2**63) is sent in parts, so nothing is ever refused by ``push_batch``.
+  the wire (2**63) is sent in parts, so nothing is ever refused by ``push_columns``.
 
 A delta the outbox cannot carry (a sandbox ID outside the feed's rule, a negative count, a count that is
 not an int, an activity time that is not a finite number) is dropped and counted in ``dropped``; the meter
 never produces one. From a dict, ``add`` drops them; from the meter's columns, ``add`` drops only a
 negative byte count (merging would hide it), and the rest is found when the batch is encoded
-(``push_columns`` refuses it, or no age can be computed), and that sandbox's entry dropped then.
+(``push_columns`` or ``array('q')`` refuses it, or no age can be computed), and that sandbox's entry
+dropped then. (``array('q')`` takes a bool as its int: the meter gives none.)
 
 Columns throughout: pending and in flight are a list per field (``_Columns``), as ``Meter.take`` gives
 them and ``push_columns`` encodes them, so the usual interval (pending empty, the meter's columns taken
-whole, one batch) does no Python work per sandbox but computing its idle time. Merging into a non-empty
-pending (an outage, or a take while a batch is in flight) goes sandbox by sandbox through an index.
+whole, one batch) does no Python work per sandbox: the ages (``ages_ms``) and the number columns are
+written by native/feed_text.c where it is built (else by Python, a few ms more at 10,000 sandboxes).
+Merging into a non-empty pending (an outage, or a take while a batch is in flight) goes sandbox by
+sandbox through an index.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from forwarder.ingress.metering import Deltas, SandboxDelta
 from sbxnet.errors import LocalProtocolError
 from sbxnet.protocol.feed import (
     COUNT_MAX,
-    IDLE_MS_MAX,
-    IDLE_S_MAX,
     MAX_SANDBOXES,
+    NATIVE_COLUMNS,
     Answer,
     Batch,
     SandboxReport,
+    ages_ms,
     epoch_is_newer,
     epoch_start_ns,
     is_epoch,
@@ -64,6 +68,9 @@ from sbxnet.protocol.feed import (
     new_epoch,
     push_columns,
 )
+
+if TYPE_CHECKING:
+    _Ints = list[int] | array[int]
 
 BACKOFF_INITIAL_S = 0.25
 BACKOFF_CAP_S = 10.0
@@ -157,7 +164,7 @@ class _InFlight:
     epoch: str
     seq: int
     entries: _Columns  # what the batch carries, kept to merge back after a 409
-    idle_ms: list[int]
+    idle_ms: list[int] | array[int]
     body: bytes  # push_columns(...), made once: every resend is these bytes
     since: float  # when the oldest delta it carries was added
     _batch: Batch | None = None
@@ -422,13 +429,20 @@ class Outbox:
         else:
             sent, self._pending = self._pending, _Columns.empty()
         sent.index = None  # what is sent is never merged into (a refusal merges pending into a copy)
-        # Rounded to the nearest ms; an age out of the wire's range (a clock ahead of ours, or beyond
-        # IDLE_S_MAX) makes push_columns refuse, and the slow path below clamps it.
+        # The ages (ms, clamped to the wire's range) and the number columns as int64 arrays where
+        # native/feed_text.c is built: then it writes them, and array('q') has checked their type.
         try:
-            idle = [round((now - t) * 1000.0) for t in sent.last]
-            body = push_columns(self._epoch, self._next_seq, sent.sandboxes, sent.bytes_in, sent.bytes_out,
-                                sent.open, idle)
-        except (LocalProtocolError, TypeError, ValueError, OverflowError):  # the last three: a bad time
+            idle = ages_ms(now, sent.last)
+            if idle is None:
+                raise ValueError("a time that is not a finite number")
+            if NATIVE_COLUMNS:
+                numbers: tuple[_Ints, _Ints, _Ints] = (
+                    array("q", sent.bytes_in), array("q", sent.bytes_out), array("q", sent.open)
+                )
+            else:
+                numbers = (sent.bytes_in, sent.bytes_out, sent.open)
+            body = push_columns(self._epoch, self._next_seq, sent.sandboxes, *numbers, idle)
+        except (LocalProtocolError, TypeError, ValueError, OverflowError):  # the last three: array() refused
             sent, idle = self._carriable(sent, now)
             body = push_columns(self._epoch, self._next_seq, sent.sandboxes, sent.bytes_in, sent.bytes_out,
                                 sent.open, idle)
@@ -438,12 +452,11 @@ class Outbox:
             return None
         return _InFlight(self._epoch, self._next_seq, sent, idle, body, since)
 
-    def _carriable(self, sent: _Columns, now: float) -> tuple[_Columns, list[int]]:
+    def _carriable(self, sent: _Columns, now: float) -> tuple[_Columns, list[int] | array[int]]:
         """What of ``sent`` the wire carries, entry by entry: an entry with an ID outside the rule, a count
         that is no int or a time that is no finite number is dropped (counted); a count beyond the wire's
         goes in part, the rest back to pending, first; an age out of range is clamped."""
         out, rest = _Columns.empty(), _Columns.empty()
-        idle: list[int] = []
         for sid, b_in, b_out, n, t in zip(sent.sandboxes, sent.bytes_in, sent.bytes_out, sent.open, sent.last,
                                           strict=True):
             if not (
@@ -461,7 +474,7 @@ class Outbox:
                 rest.append(sid, b_in - part_in, b_out - part_out, n, t)
                 b_in, b_out = part_in, part_out
             out.append(sid, b_in, b_out, n, t)
-            idle.append(min(round(min(max(0.0, now - t), IDLE_S_MAX) * 1000.0), IDLE_MS_MAX))
+        idle = ages_ms(now, out.last) or []  # every time is finite now (an empty list gives [])
         if rest:
             rest.merge(self._pending)
             self._pending = rest

@@ -89,11 +89,25 @@ from __future__ import annotations
 import json
 import math
 import re
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from sbxnet.errors import LocalProtocolError, RemoteProtocolError
+
+if TYPE_CHECKING:
+    from native._feed_text import Lib as _FtLib
+
+try:
+    from native._feed_text import ffi as _ft_ffi
+    from native._feed_text import lib as _ft_lib
+
+    _FT: _FtLib | None = _ft_lib
+except ImportError:  # not built (native/build_feed_text.py): the Python references do the same, slower
+    _FT = None
+
+NATIVE_COLUMNS = _FT is not None  # whether array('q') columns are written by native/feed_text.c
 
 __all__ = [
     "ANSWER_ERRORS",
@@ -103,10 +117,12 @@ __all__ = [
     "MAX_ANSWER_BYTES",
     "MAX_BODY_BYTES",
     "MAX_SANDBOXES",
+    "NATIVE_COLUMNS",
     "Answer",
     "Batch",
     "FeedError",
     "SandboxReport",
+    "ages_ms",
     "are_sandbox_ids",
     "epoch_is_newer",
     "epoch_start_ns",
@@ -519,20 +535,22 @@ def push_columns(
     epoch: str,
     seq: int,
     sandboxes: list[str] | tuple[str, ...],
-    bytes_in: list[int] | tuple[int, ...],
-    bytes_out: list[int] | tuple[int, ...],
-    open_: list[int] | tuple[int, ...],
-    idle_ms: list[int] | tuple[int, ...],
+    bytes_in: _Ints,
+    bytes_out: _Ints,
+    open_: _Ints,
+    idle_ms: _Ints,
 ) -> bytes:
     """The canonical body for a batch given as columns (index ``i`` of each about ``sandboxes[i]``): the
     bytes ``push_batch`` gives for the same batch. The caller guarantees no sandbox twice; everything else
-    is checked (LocalProtocolError, the tokens above), on the text the C encoder made where it can."""
+    is checked (LocalProtocolError, the tokens above), on the text the C encoder made where it can. A
+    number column may be an ``array('q')`` (as ``ages_ms`` gives, or ``array('q', list)`` makes: it takes
+    a bool as its int): native/feed_text.c then writes it, if built."""
     err = LocalProtocolError
     epoch = _epoch(epoch, err)
     seq = _count(seq, "bad_seq", "seq", err, low=1)
     columns = (sandboxes, bytes_in, bytes_out, open_, idle_ms)
-    if not all(isinstance(c, list | tuple) for c in columns):
-        _fail(err, "bad_type", "each column must be a list or tuple")
+    if not isinstance(sandboxes, list | tuple) or not all(isinstance(c, list | tuple | array) for c in columns):
+        _fail(err, "bad_type", "each column must be a list or tuple (or an array('q') of integers)")
     _check_sandbox_count(len(sandboxes), err)
     if any(len(c) != len(sandboxes) for c in columns):
         _fail(err, "bad_length", "the columns differ in length")
@@ -550,6 +568,8 @@ def are_sandbox_ids(values: list[str] | tuple[str, ...]) -> bool:
 
 
 _INTS = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+if TYPE_CHECKING:
+    _Ints = list[int] | tuple[int, ...] | array[int]  # a number column (array is not subscriptable at run time)
 
 
 def _id_array(ids: list[str] | tuple[str, ...], err: _Err) -> str:
@@ -575,16 +595,11 @@ def _id_array(ids: list[str] | tuple[str, ...], err: _Err) -> str:
     _fail(err, "bad_type", "sandboxes must hold strings")  # a str subclass spelling another text
 
 
-def _int_array(values: list[int] | tuple[int, ...], field: str, reason: str, high: int, err: _Err) -> str:
-    """``values`` as a JSON array of integers in [0, high], checked on the C encoder's text rather than
-    value by value: digits and commas only (no sign, point, exponent, literal or nesting: integers, none
-    negative), then the largest compared with ``high``."""
-    text = _INTS(values)
-    if (
-        text[:1] == "["
-        and not text.encode("ascii")[1:-1].translate(None, _NUMBER_CHARS)
-        and max(values, default=0) <= high
-    ):
+def _int_array(values: _Ints, field: str, reason: str, high: int, err: _Err) -> bytes:
+    """``values`` as a JSON array of integers in [0, high]: by native/feed_text.c for an ``array('q')``
+    (its type leaves only the range to check), else by the C JSON encoder, checked on its text."""
+    text = _int_array_native(values, high) if type(values) is array else _int_array_py(values, high)
+    if text is not None:
         return text
     for v in values:  # the reason, from the first value refused
         if reason == "bad_idle":
@@ -594,23 +609,84 @@ def _int_array(values: list[int] | tuple[int, ...], field: str, reason: str, hig
     _fail(err, "bad_type", f"{field} must hold integers")
 
 
+def _int_array_py(values: _Ints, high: int) -> bytes | None:
+    """The JSON array, or None unless every value is an int in [0, high]: judged on the C encoder's text
+    rather than value by value (digits and commas only: no sign, point, exponent, literal or nesting),
+    then the largest compared with ``high``. The reference for ``ft_int_array``."""
+    if type(values) is array:
+        values = values.tolist()
+    raw = _INTS(values).encode("ascii")
+    if raw[:1] == b"[" and not raw[1:-1].translate(None, _NUMBER_CHARS) and (not values or max(values) <= high):
+        return raw
+    return None
+
+
+def _int_array_native(values: array[int], high: int) -> bytes | None:
+    if _FT is None or values.typecode != "q":
+        return _int_array_py(values, high)
+    if not values:
+        return b"[]"
+    room = 2 + len(values) * (_FT.FT_DIGITS + 1)
+    out = bytearray(room)
+    n = _FT.ft_int_array(_ft_ffi.cast("int64_t *", _ft_ffi.from_buffer(values)), len(values), high,
+                         _ft_ffi.from_buffer(out), room)
+    return bytes(memoryview(out)[:n]) if n >= 0 else None
+
+
+def ages_ms(
+    now: float, last: list[float] | tuple[float, ...], high_ms: int = IDLE_MS_MAX
+) -> list[int] | array[int] | None:
+    """Each time's age at ``now`` in whole milliseconds, as ``idle_ms`` carries it: rounded to the
+    nearest, ties to even, 0 for a time ahead of ``now``, ``high_ms`` for one older; None if a time (or
+    ``now``) is not a finite number. An ``array('q')`` where native/feed_text.c is built (push_columns
+    then encodes it there too), else a list."""
+    if _FT is None:
+        return _ages_ms_py(now, last, high_ms)
+    if type(now) not in (int, float) or not math.isfinite(now):
+        return None
+    try:
+        times = array("d", last)
+    except TypeError:
+        return None
+    out = array("q", bytes(8 * len(times)))
+    if times and _FT.ft_ages_ms(now, _ft_ffi.cast("double *", _ft_ffi.from_buffer(times)), len(times), high_ms,
+                                _ft_ffi.cast("int64_t *", _ft_ffi.from_buffer(out))) != 0:
+        return None
+    return out
+
+
+def _ages_ms_py(now: float, last: list[float] | tuple[float, ...], high_ms: int) -> list[int] | None:
+    """The reference for ``ft_ages_ms`` (the same double arithmetic, then Python's round())."""
+    if type(now) not in (int, float) or not math.isfinite(now):
+        return None
+    out = []
+    for t in last:
+        if type(t) not in (int, float) or not math.isfinite(t):
+            return None
+        x = (now - t) * 1000.0
+        out.append(high_ms if x >= high_ms else 0 if x <= 0 else min(round(x), high_ms))
+    return out
+
+
 def _body(
     epoch: str,
     seq: int,
     ids: str,
-    bytes_in: list[int] | tuple[int, ...],
-    bytes_out: list[int] | tuple[int, ...],
-    open_: list[int] | tuple[int, ...],
-    idle_ms: list[int] | tuple[int, ...],
+    bytes_in: _Ints,
+    bytes_out: _Ints,
+    open_: _Ints,
+    idle_ms: _Ints,
     err: _Err,
 ) -> bytes:
-    return (
-        f'{{"epoch":"{epoch}","seq":{seq},"sandboxes":{ids},'
-        f'"bytes_in":{_int_array(bytes_in, "bytes_in", "bad_count", COUNT_MAX, err)},'
-        f'"bytes_out":{_int_array(bytes_out, "bytes_out", "bad_count", COUNT_MAX, err)},'
-        f'"open":{_int_array(open_, "open", "bad_count", COUNT_MAX, err)},'
-        f'"idle_ms":{_int_array(idle_ms, "idle_ms", "bad_idle", IDLE_MS_MAX, err)}}}'
-    ).encode("ascii")
+    return b"".join((
+        b'{"epoch":"', epoch.encode("ascii"), b'","seq":', str(seq).encode("ascii"), b',"sandboxes":',
+        ids.encode("ascii"),
+        b',"bytes_in":', _int_array(bytes_in, "bytes_in", "bad_count", COUNT_MAX, err),
+        b',"bytes_out":', _int_array(bytes_out, "bytes_out", "bad_count", COUNT_MAX, err),
+        b',"open":', _int_array(open_, "open", "bad_count", COUNT_MAX, err),
+        b',"idle_ms":', _int_array(idle_ms, "idle_ms", "bad_idle", IDLE_MS_MAX, err),
+        b"}",
+    ))
 
 
 # --- answers -------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from types import ModuleType
 import fuzz_arp
 import fuzz_egress_frames
 import fuzz_feed
+import fuzz_feed_text
 import fuzz_h2_frames
 import fuzz_names
 import fuzz_preamble
@@ -73,6 +74,7 @@ CORPORA = (
     Corpus("vxlan", fuzz_vxlan, 10, named_outcome=True),
     Corpus("arp", fuzz_arp, 10, named_outcome=True),
     Corpus("feed", fuzz_feed, 20, FEED_CASES, named_outcome=True),
+    Corpus("feed_text", fuzz_feed_text, 10, ("digits-of-every-length", "int64-bounds", "ages-ties", "ages-nan")),
     Corpus("names", fuzz_names, 20, ("ok-h2-authority-only", "host_mismatch-*", "wrong_port-*"), named_outcome=True),
     Corpus("h2_frames", fuzz_h2_frames, 20, H2_FRAMES_CASES, named_outcome=True),
     Corpus("routes", fuzz_routes, 100, ROUTES_CASES, named_outcome=True),

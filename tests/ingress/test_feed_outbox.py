@@ -16,9 +16,11 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from forwarder.ingress import feed_outbox
 from forwarder.ingress.feed_outbox import BACKOFF_CAP_S, Outbox, backoff_delay
 from forwarder.ingress.metering import ConnMeter, Deltas, Meter, SandboxDelta
 from sbxnet.errors import LocalProtocolError
+from sbxnet.protocol import feed
 from sbxnet.protocol.feed import (
     COUNT_MAX,
     IDLE_S_MAX,
@@ -256,7 +258,7 @@ def test_at_most_max_sandboxes_per_batch_oldest_first() -> None:
     assert b2 is not None and [r.sandbox for r in b2.sandboxes] == ["s3", "s4"]
 
 
-def test_a_count_beyond_the_wire_limit_goes_in_parts() -> None:
+def test_a_count_beyond_the_wire_limit_goes_in_parts(encoders: str) -> None:
     ob = outbox()
     ob.add({"a": d(COUNT_MAX, 1)}, 0.0)
     ob.add({"a": d(5, COUNT_MAX)}, 0.0)
@@ -278,6 +280,18 @@ def test_deltas_it_cannot_carry_are_dropped_and_counted() -> None:
     assert ob.dropped == 4 and ob.pending_count == 1
 
 
+@pytest.fixture(params=["native", "python"])
+def encoders(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test with it runs twice: with native/feed_text.c writing the number columns (where built),
+    and with the Python references alone."""
+    if request.param == "python":
+        monkeypatch.setattr(feed_outbox, "NATIVE_COLUMNS", False)
+        monkeypatch.setattr(feed, "_FT", None)
+    elif not feed.NATIVE_COLUMNS:
+        pytest.skip("native/_feed_text is not built")
+    return str(request.param)
+
+
 def cols(now: float, **entries: tuple[object, object, object, object]) -> Deltas:
     """A take as columns (what ``Meter.take`` gives): sandbox=(up, down, open, last)."""
     v = list(entries.values())
@@ -285,7 +299,7 @@ def cols(now: float, **entries: tuple[object, object, object, object]) -> Deltas
                   [e[3] for e in v])  # type: ignore[misc]
 
 
-def test_columns_are_taken_whole_and_merged_like_a_dict() -> None:
+def test_columns_are_taken_whole_and_merged_like_a_dict(encoders: str) -> None:
     ob, ref = outbox(), outbox()
     ob.add(cols(1.0, a=(10, 20, 1, 0.5), b=(1, 0, 0, 0.75)), 1.0)
     ref.add({"a": d(10, 20, 1, last=0.5), "b": d(1, 0, 0, last=0.75)}, 1.0)
@@ -298,7 +312,7 @@ def test_columns_are_taken_whole_and_merged_like_a_dict() -> None:
     assert ob.in_flight_body == ref.in_flight_body == push_batch(b)
 
 
-def test_columns_it_cannot_carry_are_dropped_and_counted() -> None:
+def test_columns_it_cannot_carry_are_dropped_and_counted(encoders: str) -> None:
     ob = outbox()
     ob.add(Deltas(0.0, ["bad/id", "", "neg", "ok", "nan", "str"], [1, 1, -1, 1, 1, 1], [1, 1, 0, 1, 1, 1],
                   [0, 0, 0, 0, 0, 0], [0.0, 0.0, 0.0, 0.0, math.nan, "x"]), 0.0)  # type: ignore[list-item]
@@ -312,14 +326,14 @@ def test_columns_it_cannot_carry_are_dropped_and_counted() -> None:
     assert ob.dropped == 9 and pull_batch(ob.in_flight_body or b"") == b
 
 
-def test_idle_from_columns_is_clamped_to_the_wire() -> None:
+def test_idle_from_columns_is_clamped_to_the_wire(encoders: str) -> None:
     ob = outbox()
     ob.add(cols(4.0, a=(1, 0, 0, 10.0), b=(1, 0, 0, 3.0), c=(1, 0, 0, -IDLE_S_MAX * 2)), 4.0)
     b = ob.next_batch(4.0)
     assert b is not None and [r.idle_s for r in b.sandboxes] == [0.0, 1.0, IDLE_S_MAX]
 
 
-def test_memory_is_bounded_by_sandboxes_through_a_long_outage() -> None:
+def test_memory_is_bounded_by_sandboxes_through_a_long_outage(encoders: str) -> None:
     # 10,000 sandboxes moving bytes every second while the scheduler is away for ten minutes.
     ob = Outbox(epochs(), random.Random(1))
     sids = [f"sbx-{i}" for i in range(10_000)]
