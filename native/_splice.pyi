@@ -5,6 +5,7 @@ from native._cffi_types import FFI, CData
 
 class Lib:
     SP_GW_KTLS: int
+    SP_KTLS_MIN_PIPE: int
     SP_OUT_CLOSED: int
     SP_OUT_RESET_GATEWAY: int
     SP_OUT_RESET_SANDBOX: int

@@ -753,6 +753,9 @@ int sp_event_fd(sp_pump *p)
     return p->evfd;
 }
 
+/* A non-blocking pipe of (if the kernel allows) size bytes; returns its real capacity, or -errno. Past
+ * fs/pipe-user-pages-soft the kernel gives an unprivileged user smaller pipes and refuses F_SETPIPE_SZ:
+ * the capacity returned is then what it gave, and sp_add judges it. */
 static int make_pipe(struct dir *d, int size)
 {
     int fds[2];
@@ -760,11 +763,11 @@ static int make_pipe(struct dir *d, int size)
         return -errno;
     d->pr = fds[0];
     d->pw = fds[1];
-    /* A larger pipe moves more per call; where the limit refuses it, the default still works. */
-    if (size > 65536)
-        fcntl(d->pw, F_SETPIPE_SZ, size);
     int got = fcntl(d->pw, F_GETPIPE_SZ);
-    return got > 0 ? got : 65536;
+    if (got > 0 && got != size)
+        fcntl(d->pw, F_SETPIPE_SZ, size); /* refused past the limits: got stays what it was */
+    got = fcntl(d->pw, F_GETPIPE_SZ);
+    return got > 0 ? got : -errno;
 }
 
 int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_timeout_ms)
@@ -803,6 +806,10 @@ int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_
     int r2 = r1 < 0 ? r1 : make_pipe(&c->down, p->pipe_size);
     c->up.cap = r1 > 0 ? (uint32_t)r1 : 0;
     c->down.cap = r2 > 0 ? (uint32_t)r2 : 0;
+    /* A kTLS read into a pipe that cannot hold a whole record loses the rest of it (see the top of
+     * this file): refuse the connection, never truncate its stream. */
+    if (r1 > 0 && r2 > 0 && (flags & SP_GW_KTLS) && (r1 < SP_KTLS_MIN_PIPE || r2 < SP_KTLS_MIN_PIPE))
+        r1 = -ENOBUFS;
     if (r1 < 0 || r2 < 0) {
         close_dir_pipes(&c->up);
         close_dir_pipes(&c->down);

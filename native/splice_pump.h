@@ -15,6 +15,13 @@
 /* Flags for sp_add(). */
 #define SP_GW_KTLS 0x1u /* the gateway fd has kernel TLS TX and RX installed */
 
+/* The smallest pipe a kernel-TLS connection is taken with, in bytes. A read from a kTLS socket must
+ * fit a whole record in the pipe (16 KiB of plaintext, which may span five pages when it does not start
+ * on one; read_record writes up to 16 KiB + 256 in one write), and pipe sizes are powers of two pages.
+ * Linux gives an unprivileged user's pipes two pages (8 KiB) once fs/pipe-user-pages-soft is reached
+ * and refuses to grow them: sp_add refuses such a connection with -ENOBUFS rather than cut a record. */
+#define SP_KTLS_MIN_PIPE 32768
+
 /* Outcomes (sp_event.outcome); forwarder/ingress/planes/splice_pump.py names them. */
 #define SP_OUT_CLOSED 0        /* both directions ended with an orderly end of stream */
 #define SP_OUT_RESET_GATEWAY 1 /* the gateway side reset, failed or (kTLS) ended without close_notify;
@@ -68,13 +75,16 @@ struct sp_stats {
 
 typedef struct sp_pump sp_pump;
 
-/* threads >= 1, max_conns >= 1, pipe_size in bytes (0 = the kernel's default). On failure returns
- * NULL and writes a message into errbuf. */
+/* threads >= 1, max_conns >= 1, pipe_size in bytes (0 = the kernel's default, 64 KiB): each pipe is
+ * set to it, larger or smaller than the default; what the kernel really gave is what the pump uses.
+ * On failure returns NULL and writes a message into errbuf. */
 sp_pump *sp_new(int threads, int max_conns, int pipe_size, char *errbuf, int errlen);
 /* Readable (eventfd semantics) whenever events are waiting. */
 int sp_event_fd(sp_pump *p);
 /* Takes ownership of both fds (non-blocking, connected) on success: returns an id >= 0. On failure
- * returns -errno and the caller still owns the fds. close_timeout_ms applies once one direction ended. */
+ * returns -errno and the caller still owns the fds: -ENOBUFS when SP_GW_KTLS is set and a pipe holds
+ * less than SP_KTLS_MIN_PIPE (the kernel gave a smaller one than pipe_size asked for), -ENOSPC when
+ * max_conns are live. close_timeout_ms applies once one direction ended. */
 int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_timeout_ms);
 /* Exact counters of a live connection: 0, or -ENOENT once it finished (its event carries the totals). */
 int sp_counters(sp_pump *p, uint64_t id, uint64_t *up, uint64_t *down);

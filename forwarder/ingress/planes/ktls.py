@@ -29,7 +29,15 @@ from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes import ktls_keys as ktls
 from forwarder.ingress.planes.interface import Handoff, Outcome, abort
-from forwarder.ingress.planes.splice_pump import EV_GW_CLOSE_NOTIFY, EV_GW_FIN, PumpEvent, PumpOutcome, SplicePump
+from forwarder.ingress.planes.splice_pump import (
+    DEFAULT_PIPE_SIZE,
+    EV_GW_CLOSE_NOTIFY,
+    EV_GW_FIN,
+    PipeTooSmall,
+    PumpEvent,
+    PumpOutcome,
+    SplicePump,
+)
 from sbxnet.errors import EnvironmentFault
 
 log = logging.getLogger("sbxnet.forwarder")
@@ -71,11 +79,16 @@ def _close_fd(fd: int, *, reset: bool) -> None:
 class KtlsPlane:
     name = "ktls"
 
-    def __init__(self, *, threads: int = 1, max_conns: int = 65536, metrics: ForwarderMetrics | None = None) -> None:
+    def __init__(
+        self, *, threads: int = 1, max_conns: int = 65536, pipe_size: int = DEFAULT_PIPE_SIZE,
+        metrics: ForwarderMetrics | None = None,
+    ) -> None:
         result = ktls.probe()
         if not result.ok:
             raise KtlsUnavailable(result)
         self._threads = threads
+        # Asked of the kernel for each pipe; what it gives is judged per connection (PipeTooSmall).
+        self.pipe_size = pipe_size
         self._max_conns = max_conns
         self._pump: SplicePump | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,7 +121,7 @@ class KtlsPlane:
     def _ensure_pump(self) -> SplicePump:
         loop = asyncio.get_running_loop()
         if self._pump is None:
-            self._pump = SplicePump(threads=self._threads, max_conns=self._max_conns)
+            self._pump = SplicePump(threads=self._threads, max_conns=self._max_conns, pipe_size=self.pipe_size)
             self._loop = loop
             loop.add_reader(self._pump.event_fd, self._on_events)
             self._refresh = loop.create_task(self._refresh_meters(), name="ktls-meters")
@@ -187,6 +200,17 @@ class KtlsPlane:
         sb_fd = h.upstream.detach()
         try:
             conn_id = pump.add(gw_fd, sb_fd, ktls=True, close_timeout=h.close_timeout)
+        except PipeTooSmall as e:
+            # A pipe that cannot hold a whole record would cut the stream: both sides are reset instead,
+            # so neither end takes what came through for all of it.
+            self.install_failures["pipe_too_small"] += 1
+            if self._metrics:
+                self._metrics.plane_refusals.labels(self.name, "pipe_too_small").inc()
+            log.warning(f"connection refused: {e.strerror}",
+                        extra={"event": "ktls_pipe_too_small", "reason": "pipe_too_small"})
+            _close_fd(gw_fd, reset=True)
+            _close_fd(sb_fd, reset=True)
+            return Outcome.INTERNAL
         except OSError:
             _close_fd(gw_fd, reset=True)
             _close_fd(sb_fd, reset=True)

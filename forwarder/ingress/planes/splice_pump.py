@@ -10,6 +10,7 @@ becomes readable and :meth:`take_events` returns its :class:`PumpEvent` (final, 
 from __future__ import annotations
 
 import enum
+import errno
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ DEFAULT_PIPE_SIZE = 1 << 20
 
 # sp_add() flag: the gateway fd has kernel TLS TX and RX installed (SP_GW_KTLS).
 GW_KTLS = 0x1
+# The smallest pipe a kernel-TLS connection is taken with (SP_KTLS_MIN_PIPE): a whole record must fit.
+KTLS_MIN_PIPE = 32768
 
 
 class PumpOutcome(enum.IntEnum):
@@ -60,6 +63,12 @@ EV_GW_CLOSE_NOTIFY = 0x1
 EV_GW_FIN = 0x2  # the gateway's TCP stream ended with no close_notify (kTLS: a truncation, reset)
 EV_SB_EOF = 0x4
 EV_SENT_CLOSE_NOTIFY = 0x8
+
+
+class PipeTooSmall(OSError):
+    """The kernel gave a kernel-TLS connection a pipe smaller than :data:`KTLS_MIN_PIPE` (an
+    unprivileged user past ``fs/pipe-user-pages-soft`` gets 8 KiB pipes that cannot grow), so a record
+    could be cut in it: the pump refused the connection and the caller still owns its descriptors."""
 
 
 @dataclass(frozen=True)
@@ -126,10 +135,14 @@ class SplicePump:
         as the end of the gateway's direction: a TCP FIN without one resets both sides (outcome
         RESET_GATEWAY, reason ``reset``, err 0, flag EV_GW_FIN). Without ``ktls`` a FIN is the end.
         ``close_timeout`` (seconds) bounds the wait for the remaining direction once one direction has
-        ended. Raises OSError and leaves the descriptors with the caller if the pump cannot take them.
+        ended. Raises OSError and leaves the descriptors with the caller if the pump cannot take them:
+        :class:`PipeTooSmall` when ``ktls`` and the kernel gave a pipe too small for a whole record.
         """
         ms = max(1, min(int(close_timeout * 1000), 0xFFFFFFFF))
         r = self._lib.sp_add(self._live(), gateway_fd, sandbox_fd, GW_KTLS if ktls else 0, ms)
+        if r == -errno.ENOBUFS and ktls:
+            raise PipeTooSmall(errno.ENOBUFS, f"splice pump add: the kernel gave a pipe under {KTLS_MIN_PIPE} bytes "
+                               "(fs/pipe-user-pages-soft reached?); a TLS record would not fit")
         if r < 0:
             raise OSError(-r, f"splice pump add: {os.strerror(-r)}")
         return int(r)
