@@ -364,6 +364,9 @@ def meter_row(st: SandboxState) -> tuple[object, ...]:
     return st.last_activity, st.bytes_in, st.bytes_out, st.open_connections, open_by_text(st.open_by)
 
 
+_STATES = {s.value: s for s in State}
+
+
 def state_of(sandbox: str, row: Sequence[Any]) -> SandboxState:
     """The state in a row's ``STATE_COLUMNS`` values (which are what the schema says). ``open_connections``
     is the sum of ``open_by`` (the column is written for readers of the database, not read back)."""
@@ -371,7 +374,7 @@ def state_of(sandbox: str, row: Sequence[Any]) -> SandboxState:
     open_by = open_by_of(sandbox, by)
     return SandboxState(
         float(active_since),
-        State(state),
+        _STATES.get(state) or State(state),  # the lookup first: State() costs a microsecond
         None if last_activity is None else float(last_activity),
         int(bytes_in),
         int(bytes_out),
@@ -379,7 +382,7 @@ def state_of(sandbox: str, row: Sequence[Any]) -> SandboxState:
         open_by,
         None if hold_until is None else float(hold_until),
         None if stopped_at is None else float(stopped_at),
-        None if wake_from is None else State(wake_from),
+        None if wake_from is None else _STATES.get(wake_from) or State(wake_from),
         bool(fenced),
     )
 
@@ -447,7 +450,21 @@ def sync_core(core: TimerCore, sandboxes: Collection[str], rows: Mapping[str, St
         if row is None:
             core.remove(sid)
         elif core.stored_version(sid) != row.version:
-            core.restore(row.config(), row.state, row.version)
+            have = core.config(sid) if sid in core else None
+            # The core's config when the row's is the same (building one validates it: a few us a row).
+            config = have if have is not None and _same_config(have, row) else row.config()
+            core.restore(config, row.state, row.version)
+
+
+def _same_config(c: SandboxConfig, row: StoredSandbox) -> bool:
+    """``c == row.config()`` without building one."""
+    r = row.registration
+    return (
+        c.incarnation == r.incarnation
+        and c.idle_period_s == r.idle_period_s
+        and c.activity == r.activity
+        and c.registered_at == row.registered_at
+    )
 
 
 def refresh_core(core: TimerCore, tx: Tx, sandboxes: Collection[str]) -> None:

@@ -325,8 +325,14 @@ class TimerCore:
         old = self._sandboxes.get(config.sandbox)
         if old is not None:
             self._unindex(old)
-        sb = _Sandbox(config, _copy(state), stored=stored)
-        self._sandboxes[config.sandbox] = sb
+        if old is not None and old.config == config:
+            # The same registration (a row another replica wrote): the state replaced in place, so its heap
+            # entry stays live (a new object would leave one stale entry per restore to be compacted away).
+            sb = old
+            sb.st, sb.stored, sb.counts_moved = _copy(state), stored, False
+        else:
+            sb = _Sandbox(config, _copy(state), stored=stored)
+            self._sandboxes[config.sandbox] = sb
         for source in sb.st.open_by:
             self._by_source.setdefault(source, set()).add(config.sandbox)
         self._schedule(sb)
