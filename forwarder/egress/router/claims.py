@@ -1,4 +1,4 @@
-"""Claims armed at start, read from a JSON file (the control API that arms them at run time comes later).
+"""Claims armed at start, read from a JSON file; the claim models the control API and the state file share.
 
 File form::
 
@@ -6,7 +6,9 @@ File form::
                  "policy": {"rules": ["deny tcp any 25"], "default_allow": true},
                  "limits": {"byte_rate": 12500000, "quota_bytes": 10000000000}}]}
 
-``uds`` is the VMM's vsock Unix socket path: the guest's stream arrives at ``<uds>_2051``. Every fault
+``uds`` is the VMM's vsock Unix socket path: the guest's stream arrives at ``<uds>_2051``. ``address`` is
+optional: without it the allocator gives one (docs/egress.md, "Addresses"); with it that address is
+reserved and must be free. Every fault
 is a ``ConfigError`` naming the claim and the field, checked against the settings (address inside the
 overlay, exit label configured, no id, address or socket given twice).
 """
@@ -53,25 +55,54 @@ class LimitsSpec(BaseModel):
     quota_bytes: int | None = Field(None, ge=0)
 
 
-class ClaimSpec(BaseModel):
+class _ClaimFields(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
-    address: ipaddress.IPv4Address
-    exit: str = Field(min_length=1)
+    exit: str = Field(min_length=1, max_length=64)
     uds: Path = Field(description="the VMM's vsock socket path; the guest stream is <uds>_2051")
     policy: PolicySpec = Field(default_factory=PolicySpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+
+    @field_validator("uds")
+    @classmethod
+    def _uds_absolute(cls, value: Path) -> Path:
+        if not value.is_absolute() or "\0" in str(value) or len(str(value)) > 100:
+            raise ValueError("want an absolute path of at most 100 bytes (the stream socket adds _2051)")
+        return value
 
     @property
     def stream_path(self) -> Path:
         return Path(f"{self.uds}_{GUEST_PORT}")
 
 
+class ClaimRequest(_ClaimFields):
+    """A claim asked for (the claims file, the control API's arm): the allocator gives its address,
+    unless ``address`` pins one (which must then be free)."""
+
+    address: ipaddress.IPv4Address | None = None
+
+    def armed(self, address: ipaddress.IPv4Address) -> ClaimSpec:
+        return ClaimSpec(**{**self.model_dump(exclude={"address"}), "address": address})
+
+
+class ClaimSpec(_ClaimFields):
+    """An armed claim: it has its address."""
+
+    address: ipaddress.IPv4Address
+
+
+class ClaimState(ClaimSpec):
+    """What persists of an armed claim (the state file) and moves with it (export, import)."""
+
+    enabled: bool = True
+    quota_used: int = Field(0, ge=0, le=2**63 - 1)
+
+
 class _ClaimsFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    claims: list[ClaimSpec]
+    claims: list[ClaimRequest]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +121,14 @@ def _describe(e: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def parse_claims(text: str | bytes, known: Known, source: str = "claims") -> list[ClaimSpec]:
+def check_address(address: ipaddress.IPv4Address, net: ipaddress.IPv4Network) -> str | None:
+    """Why ``address`` cannot be a claim's in ``net``, or None."""
+    if address not in net or address in (net.network_address, net.broadcast_address):
+        return f"not a host address of the overlay {net}"
+    return None
+
+
+def parse_claims(text: str | bytes, known: Known, source: str = "claims") -> list[ClaimRequest]:
     """The claims in ``text`` (the file form above), or ``ConfigError`` naming each bad field."""
     try:
         raw = json.loads(text)
@@ -104,18 +142,20 @@ def parse_claims(text: str | bytes, known: Known, source: str = "claims") -> lis
     net = known.overlay
     for i, c in enumerate(claims):
         where = f"config: {source}.claims.{i} ({c.id})"
-        if c.address not in net or c.address in (net.network_address, net.broadcast_address):
-            raise ConfigError(f"{where}.address = {str(c.address)!r}: not a host address of the overlay {net}")
+        if c.address is not None and (why := check_address(c.address, net)) is not None:
+            raise ConfigError(f"{where}.address = {str(c.address)!r}: {why}")
         if c.exit not in known.exits:
             raise ConfigError(f"{where}.exit = {c.exit!r}: no such exit (configured: {', '.join(sorted(known.exits))})")
         for field, value in (("id", c.id), ("address", c.address), ("uds", c.uds)):
+            if value is None:
+                continue
             if value in seen[field]:
                 raise ConfigError(f"{where}.{field} = {str(value)!r}: given to two claims")
             seen[field].add(value)
     return claims
 
 
-def load_claims(path: Path, known: Known) -> list[ClaimSpec]:
+def load_claims(path: Path, known: Known) -> list[ClaimRequest]:
     try:
         text = path.read_bytes()
     except OSError as e:

@@ -1,7 +1,11 @@
 """The router daemon: arms claims, owns the VXLAN socket and the guest streams, moves the bytes.
 
 Per armed claim: a ``ClaimPath`` (flows, limits, the C batch; kept across guest reconnects) and a
-Unix stream listener at ``<uds>_2051``. One VXLAN socket for every exit. A guest's frames go
+Unix stream listener at ``<uds>_2051``. One VXLAN socket for every exit. Claims get their address from
+the allocator (``allocator.py``); their state (address, switch, exit label, quota used) is saved in the
+state file (``claim_state.py``) on every change made through the control API (``control_api.py``, which
+calls ``arm_request``, ``disarm``, ``set_enabled``, ``set_exit``, ``export`` and ``import_state``) and
+restored at start. A guest's frames go
 ``GuestStream`` → ``Router.outbound`` (judge, segment) → ``VxlanSocket.send_records`` to the claim's
 exit; datagrams go ``VxlanSocket.recv_batch`` → ``InboundPath.run`` → the guest's stream, ARP answered.
 A tick each second closes stalled guests and sends each claim's gratuitous ARP every
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -19,12 +24,17 @@ import stat
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from forwarder.egress.arp import gratuitous_arp
 from forwarder.egress.guard import AddressGuard
-from forwarder.egress.router.claims import ClaimSpec
+from forwarder.egress.router.addresses import AddressPool, AllocationError
+from forwarder.egress.router.allocator import Allocator, LocalAllocator, make_allocator
+from forwarder.egress.router.claim_state import StateFile
+from forwarder.egress.router.claims import ClaimRequest, ClaimSpec, ClaimState, check_address
+from forwarder.egress.router.control_body import ControlError
 from forwarder.egress.router.guest_stream import GuestStream
 from forwarder.egress.router.inbound import InboundPath
 from forwarder.egress.router.outbound import ClaimPath
@@ -36,15 +46,28 @@ from forwarder.egress.vxlan import push_vxlan
 log = logging.getLogger("sbxnet.egress")
 
 TICK_S = 1.0
+QUOTA_SAVE_S = 10.0  # quota used is saved at most this often (and at every control change and the stop)
 
 
 class Router:
-    def __init__(self, settings: EgressSettings, claims: list[ClaimSpec]) -> None:
+    def __init__(
+        self, settings: EgressSettings, claims: Sequence[ClaimRequest] = (), *, allocator: Allocator | None = None,
+        state: StateFile | None = None,
+    ) -> None:
         self.settings = settings
         self.exits = settings.exit_specs()
         self.router_mac = settings.router_mac_bytes()
         self.guard = AddressGuard(settings.overlay, settings.guard_extra)
-        self.specs = claims
+        self.requests = list(claims)
+        if allocator is None:
+            pool = AddressPool(settings.address_pool or settings.overlay, settings.reuse_window,
+                               exclude=[int(a) for a in settings.address_exclude], now=time.time())
+            allocator = LocalAllocator(pool, None)
+        self.allocator = allocator
+        self.state = state
+        self._saved_quota: dict[str, int] = {}
+        self._saved_at = 0.0
+        self._stopped = False
         self.paths: dict[str, ClaimPath] = {}
         self.by_addr: dict[int, ClaimPath] = {}
         self.streams: dict[str, GuestStream] = {}
@@ -61,16 +84,142 @@ class Router:
         loop = asyncio.get_running_loop()
         self.vx = VxlanSocket(str(self.settings.listen), self.settings.port)
         loop.add_reader(self.vx.fileno(), self._on_datagrams)
-        for spec in self.specs:
-            await self.arm(spec)
+        for st in self.state.load() if self.state is not None else []:
+            try:
+                await self.allocator.reserve(st.id, int(st.address))
+            except AllocationError as e:
+                # Someone else has the address now (the mesh gave it away): arming it would send as them.
+                log.error("claim not restored", extra={"event": "claim_not_restored", "fields": {
+                    "claim": st.id, "address": str(st.address), "reason": e.reason, "detail": e.detail}})
+                continue
+            await self.arm(st, enabled=st.enabled, quota_used=st.quota_used)
+        for req in self.requests:
+            if req.id not in self.paths:  # one the state file restored keeps its state
+                await self.arm_request(req, save=False)
+        self.save()
         self._tick = loop.call_later(TICK_S, self._on_tick)
 
-    async def arm(self, spec: ClaimSpec) -> None:
+    # ---------------------------------------------------------------- control (control_api.py calls these)
+    def _check_new(self, cid: str, exit: str, uds: Path) -> None:
+        if cid in self.paths:
+            raise ControlError("claim_exists", f"claim {cid} is armed here", 409)
+        if exit not in self.exits:
+            raise ControlError("bad_exit", f"no exit {exit!r} (configured: {', '.join(sorted(self.exits))})")
+        if any(p.spec.uds == uds for p in self.paths.values()):
+            raise ControlError("uds_in_use", f"{uds} is another claim's socket", 409)
+
+    def path(self, cid: str) -> ClaimPath:
+        p = self.paths.get(cid)
+        if p is None:
+            raise ControlError("no_such_claim", f"no claim {cid} armed here", 404)
+        return p
+
+    async def arm_request(self, req: ClaimRequest, *, save: bool = True) -> ClaimPath:
+        """Arm a new claim: its address from the allocator (or the one it pins, reserved)."""
+        self._check_new(req.id, req.exit, req.uds)
+        if req.address is not None:
+            await self.allocator.reserve(req.id, int(req.address))
+            address = req.address
+        else:
+            address = ipaddress.IPv4Address(await self.allocator.allocate(req.id))
+        try:
+            path = await self.arm(req.armed(address))
+        except BaseException:
+            await self.allocator.release(req.id, int(address))
+            raise
+        if save:
+            self.save()
+        return path
+
+    async def import_state(self, st: ClaimState) -> ClaimPath:
+        """Arm a claim exported by another daemon with its address, switch and quota used (a move)."""
+        self._check_new(st.id, st.exit, st.uds)
+        why = check_address(st.address, self.settings.overlay)
+        if why is not None:
+            raise ControlError("bad_field", f"address: {why}")
+        await self.allocator.reserve(st.id, int(st.address))
+        try:
+            path = await self.arm(st, enabled=st.enabled, quota_used=st.quota_used)
+        except BaseException:
+            await self.allocator.release(st.id, int(st.address))
+            raise
+        self.save()
+        return path
+
+    async def disarm(self, cid: str, *, hand_over: bool = False) -> ClaimState:
+        """Disarm: the listener and the stream closed, the address released (or, for a move, handed over:
+        the single node keeps it cooling for the claim, the mesh keeps it held for the importer)."""
+        path = self.path(cid)
+        st = self.claim_state(path)
+        server = self.servers.pop(cid)
+        server.close()
+        stream = self.streams.get(cid)
+        if stream is not None:
+            stream.close()
+        with contextlib.suppress(Exception):
+            await server.wait_closed()
+        with contextlib.suppress(OSError):
+            os.unlink(path.spec.stream_path)
+        del self.paths[cid]
+        del self.by_addr[path.address]
+        self._garp_due.pop(cid, None)
+        self._saved_quota.pop(cid, None)
+        self.streams_changed()
+        if hand_over:
+            await self.allocator.hand_over(cid, path.address)
+        else:
+            await self.allocator.release(cid, path.address)
+        self.save()
+        log.info("claim disarmed", extra={"event": "claim_disarmed", "fields": {
+            "claim": cid, "address": str(path.spec.address), "moved": hand_over}})
+        return st
+
+    async def export(self, cid: str) -> ClaimState:
+        """The claim's state for ``import_state`` on another daemon; the claim is disarmed here."""
+        return await self.disarm(cid, hand_over=True)
+
+    def set_enabled(self, cid: str, on: bool) -> ClaimPath:
+        path = self.path(cid)
+        path.set_enabled(on, time.monotonic())
+        self.save()
+        log.info("claim switched", extra={"event": "claim_enabled" if on else "claim_disabled",
+                                          "fields": {"claim": cid}})
+        return path
+
+    def set_exit(self, cid: str, label: str) -> ClaimPath:
+        path = self.path(cid)
+        exit = self.exits.get(label)
+        if exit is None:
+            raise ControlError("bad_exit", f"no exit {label!r} (configured: {', '.join(sorted(self.exits))})")
+        if exit is not path.exit:
+            path.set_exit(exit)
+            self.streams_changed()
+            self._announce(path)  # the new exit learns the claim at once
+            self._garp_due[cid] = time.monotonic() + self.settings.garp_interval
+            self.save()
+        return path
+
+    def claim_state(self, path: ClaimPath) -> ClaimState:
+        return ClaimState(**path.spec.model_dump(), enabled=path.enabled, quota_used=path.limits.bytes_used)
+
+    def save(self) -> None:
+        if self.state is None:
+            return
+        self.state.save(self.claim_state(p) for p in self.paths.values())
+        self._saved_quota = {cid: p.limits.bytes_used for cid, p in self.paths.items()}
+        self._saved_at = time.monotonic()
+
+    # ---------------------------------------------------------------- life cycle
+    async def arm(self, spec: ClaimSpec, *, enabled: bool = True, quota_used: int = 0) -> ClaimPath:
+        """Start a claim whose address is already its own (allocated or reserved by the caller)."""
         now = time.monotonic()
         s = self.settings
+        spec = ClaimSpec(**spec.model_dump(exclude={"enabled", "quota_used"}))
         path = ClaimPath(spec, self.exits[spec.exit], vni=s.vni, router_mac=self.router_mac, guard=self.guard,
                          mtu=s.mtu, flow_cap=s.flow_cap, new_flow_rate=s.new_flow_rate,
                          flow_idle_timeout=s.flow_idle_timeout, now=now)
+        path.limits.bytes_used = quota_used
+        path.set_enabled(enabled, now)
         sock_path = spec.stream_path
         _remove_stale_socket(sock_path)
         loop = asyncio.get_running_loop()
@@ -83,9 +232,14 @@ class Router:
         self._announce(path)
         self._garp_due[spec.id] = now + s.garp_interval
         log.info("claim armed", extra={"event": "claim_armed", "fields": {
-            "claim": spec.id, "address": str(spec.address), "exit": spec.exit, "socket": str(sock_path)}})
+            "claim": spec.id, "address": str(spec.address), "exit": spec.exit, "socket": str(sock_path),
+            "enabled": enabled}})
+        return path
 
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         if self._tick is not None:
             self._tick.cancel()
         for server in self.servers.values():
@@ -101,6 +255,8 @@ class Router:
         if self.vx is not None:
             asyncio.get_running_loop().remove_reader(self.vx.fileno())
             self.vx.close()
+        self.save()  # the quota used since the last save
+        await self.allocator.close()
 
     # ---------------------------------------------------------------- guest streams
     def attach(self, stream: GuestStream) -> None:
@@ -151,7 +307,9 @@ class Router:
         for addr, frames in deliver.items():
             path = self.by_addr[addr]
             stream = self.streams.get(path.id)
-            if stream is None:
+            if not path.enabled:
+                path.drops["disabled"] += len(frames)
+            elif stream is None:
                 path.drops["no_guest"] += len(frames)
             else:
                 stream.deliver(frames)
@@ -174,6 +332,9 @@ class Router:
             if now >= due:
                 self._announce(self.paths[cid])
                 self._garp_due[cid] = now + self.settings.garp_interval
+        if self.state is not None and now - self._saved_at >= QUOTA_SAVE_S and any(
+                self._saved_quota.get(cid) != p.limits.bytes_used for cid, p in self.paths.items()):
+            self.save()
         self._tick = asyncio.get_running_loop().call_later(TICK_S, self._on_tick)
 
     # ---------------------------------------------------------------- numbers
@@ -189,6 +350,9 @@ class Router:
                     "address": str(p.spec.address), "frames_out": p.sent.frames, "packets_out": p.sent.packets,
                     "bytes_out": p.sent.bytes, "flows": len(p.flows), "drops": dict(p.drops),
                     "flow_refusals": dict(p.flows.refusals), "quota_used": p.limits.bytes_used,
+                    "exit": p.exit.label, "enabled": p.enabled, "switched_at": p.switched_at,
+                    "frames_since_switch": p.frames_since_switch,
+                    "first_frame_after_switch": p.first_frame_after_switch,
                 }
                 for cid, p in self.paths.items()
             },
@@ -206,12 +370,25 @@ def _remove_stale_socket(path: Path) -> None:
     os.unlink(path)
 
 
-async def _main(settings: EgressSettings, claims: list[ClaimSpec]) -> int:
-    router = Router(settings, claims)
+async def _main(settings: EgressSettings, claims: list[ClaimRequest]) -> int:
+    from forwarder.egress.router.control_api import ControlServer
+
+    state = StateFile(settings.state_dir) if settings.state_dir is not None else None
+    try:
+        allocator = make_allocator(settings)
+    except OSError as e:
+        print(f"egress: cannot start: release log: {e}", file=sys.stderr)
+        return 1
+    router = Router(settings, claims, allocator=allocator, state=state)
+    control = ControlServer(router, settings.control_socket) if settings.control_socket is not None else None
     try:
         await router.start()
-    except OSError as e:
+        if control is not None:
+            await control.start()
+    except (OSError, AllocationError) as e:
         print(f"egress: cannot start: {e}", file=sys.stderr)
+        if control is not None:
+            await control.stop()
         await router.stop()
         return 1
     log.info("egress router up", extra={"event": "egress_listening", "fields": {
@@ -221,12 +398,14 @@ async def _main(settings: EgressSettings, claims: list[ClaimSpec]) -> int:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     await stop.wait()
+    if control is not None:
+        await control.stop()
     await router.stop()
     log.info("egress router stopped", extra={"event": "egress_stopped", "fields": router.stats()})
     return 0
 
 
-def serve(settings: EgressSettings, claims: list[ClaimSpec], *, check_only: bool = False) -> int:
+def serve(settings: EgressSettings, claims: list[ClaimRequest], *, check_only: bool = False) -> int:
     from sbxnet import jsonlog
 
     jsonlog.setup(settings.log_level)

@@ -184,6 +184,9 @@ class MeshAllocator:
             raise AllocationError("address_in_use", f"{ipaddress.IPv4Address(address)} is held by another claim "
                                                     "or inside its reuse window")
 
+    async def hand_over(self, claim: str, address: int) -> None:
+        """A move: the row stays held by the claim; the importing daemon's ``reserve`` makes it its node's."""
+
     async def release(self, claim: str, address: int) -> None:
         try:
             await self._run(_RELEASE, self._args(claim, address=address))

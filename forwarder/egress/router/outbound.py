@@ -56,10 +56,12 @@ class ClaimPath:
         self.flows = FlowTable(spec.policy.policy(), guard, cap=flow_cap, new_flow_rate=new_flow_rate,
                                idle_timeout=flow_idle_timeout, now=now)
         self.limits = ClaimLimits(**spec.limits.model_dump(), now=now)
-        self.batch = OutboundBatch(
-            OutParams(self.address, vxlan_eth_prefix(vni, exit.mac, router_mac), mtu=mtu),
-            max_frames=MAX_FRAMES, out_capacity=OUT_CAPACITY,
-        )
+        self._vni, self._router_mac = vni, router_mac
+        self.batch = self._batch(exit, mtu)
+        self.enabled = True
+        self.switched_at = now  # monotonic time of the last disable or enable (or the arm)
+        self.frames_since_switch = 0  # guest frames accepted since then
+        self.first_frame_after_switch: float | None = None
         self.host_mtu = mtu
         self.mtu = mtu  # the guest stream's, once negotiated
         self.offloads = HOST_OFFLOADS
@@ -67,6 +69,28 @@ class ClaimPath:
         self.sent = Sent()
         self._pending = 0  # frames loaded in the batch that the core has not consumed yet
         self._consumed = 0
+
+    def _batch(self, exit: ExitSpec, mtu: int) -> OutboundBatch:
+        return OutboundBatch(OutParams(self.address, vxlan_eth_prefix(self._vni, exit.mac, self._router_mac), mtu=mtu),
+                             max_frames=MAX_FRAMES, out_capacity=OUT_CAPACITY)
+
+    def set_enabled(self, on: bool, now: float) -> None:
+        """Disable: from the next frame on nothing of this claim is judged or sent, and its flows are
+        forgotten (an enable judges every flow again). Enable: the next frame is judged as usual."""
+        if on == self.enabled:
+            return
+        self.enabled = on
+        self.switched_at = now
+        self.frames_since_switch = 0
+        self.first_frame_after_switch = None
+        if not on:
+            self.flows.clear()
+
+    def set_exit(self, exit: ExitSpec) -> None:
+        """Send to another exit from the next frame on (called between batches: nothing is pending)."""
+        self.exit = exit
+        self.spec = self.spec.model_copy(update={"exit": exit.label})
+        self.batch = self._batch(exit, self.host_mtu)
 
     def set_stream(self, mtu: int, offloads: int) -> None:
         self.mtu = min(mtu, self.host_mtu)
@@ -79,6 +103,11 @@ class ClaimPath:
         ready; if ``more()`` the send buffer filled up: send, then call ``resume(buf)``."""
         batch = self.batch
         n, consumed, bad = batch.split(buf)
+        if not self.enabled:
+            self.drops["disabled"] += n
+            self._pending = self._consumed = 0
+            batch.n_sends = 0
+            return consumed, bad
         offs, lens = batch.offs, batch.lens
         mv = memoryview(buf)
         k = 0
@@ -96,6 +125,10 @@ class ClaimPath:
             k += 1
         self._pending = k
         self._consumed = 0
+        if k:
+            if self.first_frame_after_switch is None:
+                self.first_frame_after_switch = now
+            self.frames_since_switch += k
         self._run(buf)
         return consumed, bad
 

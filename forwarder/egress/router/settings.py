@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, FilePath, field_validator, model_validator
@@ -75,8 +77,21 @@ class EgressSettings(BaseSettings):
     new_flow_rate: float = Field(1000.0, gt=0, le=1e6, description="new flows per second per claim")
     flow_idle_timeout: float = Field(120.0, gt=0, le=86400)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # addresses (docs/egress.md, "Addresses")
+    address_pool: ipaddress.IPv4Network | None = Field(
+        None, description="the addresses claims get (default: the overlay); inside the overlay")
+    address_exclude: Annotated[list[ipaddress.IPv4Address], NoDecode] = Field(
+        default_factory=list, description="addresses never handed out (besides network, broadcast, first host)")
+    reuse_window: float = Field(3600.0, ge=0, le=30 * 86400,
+                                description="seconds a released address is not handed to another claim")
+    mesh_dsn: str | None = Field(None, description="PostgreSQL DSN: allocate in the mesh's table, not locally")
+    mesh_table: str = Field("egress_addresses", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    node: str = Field(default_factory=socket.gethostname, min_length=1, description="this daemon's name in the mesh")
+    # state and control
+    state_dir: Path | None = Field(None, description="claims.json (claim state) and releases.log live here")
+    control_socket: Path | None = Field(None, description="the control API's Unix socket (root only)")
 
-    _split = field_validator("exits", "guard_extra", mode="before")(split_list)
+    _split = field_validator("exits", "guard_extra", "address_exclude", mode="before")(split_list)
 
     @field_validator("exits")
     @classmethod
@@ -101,6 +116,9 @@ class EgressSettings(BaseSettings):
     def _overlay_sane(self) -> EgressSettings:
         if self.overlay.prefixlen > 30:
             raise ValueError(f"overlay {self.overlay} leaves no claim addresses (want /30 or wider)")
+        pool = self.address_pool
+        if pool is not None and (pool.prefixlen > 30 or not pool.subnet_of(self.overlay)):
+            raise ValueError(f"address_pool {pool}: want a /30 or wider inside the overlay {self.overlay}")
         return self
 
     def exit_specs(self) -> dict[str, ExitSpec]:
