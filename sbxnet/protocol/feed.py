@@ -640,10 +640,15 @@ def ages_ms(
     nearest, ties to even, 0 for a time ahead of ``now``, ``high_ms`` for one older; None if a time (or
     ``now``) is not a finite number. An ``array('q')`` where native/feed_text.c is built (push_columns
     then encodes it there too), else a list."""
-    if _FT is None:
-        return _ages_ms_py(now, last, high_ms)
-    if type(now) not in (int, float) or not math.isfinite(now):
+    if not isinstance(now, int | float) or not math.isfinite(now):
         return None
+    if _FT is None:
+        # The plain rounding when every age is in range (the usual case), else the careful reference.
+        try:
+            ages = [round((now - t) * 1000.0) for t in last]
+        except (TypeError, ValueError, OverflowError):  # a time that is no number, NaN, an infinity
+            return _ages_ms_py(now, last, high_ms)
+        return ages if not ages or (min(ages) >= 0 and max(ages) <= high_ms) else _ages_ms_py(now, last, high_ms)
     try:
         times = array("d", last)
     except TypeError:
@@ -657,11 +662,11 @@ def ages_ms(
 
 def _ages_ms_py(now: float, last: list[float] | tuple[float, ...], high_ms: int) -> list[int] | None:
     """The reference for ``ft_ages_ms`` (the same double arithmetic, then Python's round())."""
-    if type(now) not in (int, float) or not math.isfinite(now):
+    if not isinstance(now, int | float) or not math.isfinite(now):
         return None
     out = []
     for t in last:
-        if type(t) not in (int, float) or not math.isfinite(t):
+        if not isinstance(t, int | float) or not math.isfinite(t):
             return None
         x = (now - t) * 1000.0
         out.append(high_ms if x >= high_ms else 0 if x <= 0 else min(round(x), high_ms))

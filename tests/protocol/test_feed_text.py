@@ -62,6 +62,19 @@ def test_ages_ms_is_its_reference(now: float, last: list[float], high_ms: int) -
                 assert ms == round(x)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.just(100.0), st.floats()), st.lists(times, max_size=30),
+       st.sampled_from([IDLE_MS_MAX, 0, 1, 5000]))
+def test_ages_ms_without_the_extension_is_the_reference(now: float, last: list[float], high_ms: int) -> None:
+    saved = feed._FT
+    feed._FT = None
+    try:
+        got = ages_ms(now, last, high_ms)
+    finally:
+        feed._FT = saved
+    assert got == feed._ages_ms_py(now, last, high_ms)
+
+
 def test_ages_ms_rounds_like_python_and_clamps() -> None:
     # Ties to even, a time ahead of now, one older than the bound; a time that is not a number.
     assert list(ages_ms(1.0, [1.0, 0.75, 2.0, -1e300]) or []) == [0, 250, 0, IDLE_MS_MAX]
