@@ -182,3 +182,27 @@ def test_l7_hop_streams_a_chunked_upload_and_answers(tmp_path: Path) -> None:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_goals_are_ratios_of_the_medians() -> None:
+    def cell(median: float) -> dict[str, float]:
+        return {"median": median, "min": median / 2, "max": median * 2, "n": 3}
+
+    summary = {
+        "l4-user": {"down-1": {"gbps": cell(0.3), "cpu.chain": cell(1.0)}},
+        "l7-sbx": {"down-1": {"gbps": cell(0.1), "cpu.chain": cell(2.5)}},
+        "hop-user": {"up-1": {"cpu.hop": cell(1.2)}, "up-8": {"cpu.hop": cell(2.0)}},
+        "haproxy-tls": {"up-1": {"cpu.hop": cell(1.5)}, "up-8": {"cpu.hop": cell(1.6)}},
+    }
+    got = {(g["goal"], g["workload"]): g for g in report.goals(summary, 8)}
+    speed = got[("L4 userspace / l7-sbx throughput >= 2x", "down-1")]
+    assert speed["ratio"] == pytest.approx(3.0) and speed["met"] is True
+    cpu = got[("L4 userspace / l7-sbx chain CPU-s/GB <= 0.5x", "down-1")]
+    assert cpu["ratio"] == pytest.approx(0.4) and cpu["met"] is True
+    per_core = "forwarder hop GB per CPU-s >= HAProxy's (tcp + TLS)"
+    assert got[(per_core, "up-1")]["ratio"] == pytest.approx(1.25) and got[(per_core, "up-1")]["met"] is True
+    assert got[(per_core, "up-8")]["ratio"] == pytest.approx(0.8) and got[(per_core, "up-8")]["met"] is False
+    for key in (("L4 userspace / l7-nginx throughput >= 2x", "down-1"),
+                ("L4 kTLS / L4 userspace throughput >= 1.2x", "down-1"),
+                ("forwarder hop (ktls) < 0.49 CPU-s/GB", "up-1")):
+        assert got[key]["met"] is None and got[key]["why"]
