@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,11 +65,16 @@ class _ClaimFields(BaseModel):
     policy: PolicySpec = Field(default_factory=PolicySpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
 
-    @field_validator("uds")
+    @field_validator("uds", mode="before")
     @classmethod
-    def _uds_absolute(cls, value: Path) -> Path:
-        if not value.is_absolute() or "\0" in str(value) or len(str(value)) > 100:
-            raise ValueError("want an absolute path of at most 100 bytes (the stream socket adds _2051)")
+    def _uds_plain(cls, value: object) -> object:
+        # Refused unless already in plain form: a path that a Path would rewrite ("/a/./b", "/a/", "/.")
+        # would name another socket than the one asked for.
+        text = str(value) if isinstance(value, Path) else value
+        if isinstance(text, str) and (not text.startswith("/") or "\0" in text or len(text.encode()) > 100
+                                      or os.path.normpath(text) != text or text == "/"):
+            raise ValueError("want a plain absolute path (no '.', '..', '//' or trailing '/') of at most 100 "
+                             "bytes; the stream socket adds _2051")
         return value
 
     @property
