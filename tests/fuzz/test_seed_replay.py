@@ -16,6 +16,7 @@ from types import ModuleType
 # The targets are imported by bare name, as pytest puts this directory on sys.path (and the bench
 # scripts put it on theirs).
 import fuzz_arp
+import fuzz_control_body
 import fuzz_egress_frames
 import fuzz_feed
 import fuzz_feed_text
@@ -64,6 +65,11 @@ ROUTE_REASONS = ("unknown_field", "missing_field", "bad_type", "bad_sandbox", "b
 ROUTES_CASES = (*(f"{r}-*" for r in ROUTE_REASONS), "ok-registration-golden-*", "ok-route-golden",
                 "not_json-*-nan-*", "not_json-*-infinity-*", "*-duplicate-key-*", "not_json-*-deep-*",
                 "too_long-*-64-kib-plus-one", "ok-*-exactly-64-kib", "not_json-*-non-utf8-*")
+# The egress control API's bodies (tests/fuzz/make_control_body_seeds.py): every refusal reason and the
+# inputs that must not pass (non-finite numbers, duplicate keys, paths a Path would rewrite, bools for numbers).
+CONTROL_BODY_CASES = ("too_long-*", "not_utf8-*", "not_json-*-nan", "not_json-*-duplicate-key", "not_json-*-deep",
+                      "not_object-*", "unknown_field-arm-address", "missing_field-*", "bad_field-arm-dot-uds",
+                      "bad_field-*-bool", "bad_claim_id-*", "ok-arm-exactly-64-kib", "ok-import")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
@@ -78,6 +84,7 @@ CORPORA = (
     Corpus("names", fuzz_names, 20, ("ok-h2-authority-only", "host_mismatch-*", "wrong_port-*"), named_outcome=True),
     Corpus("h2_frames", fuzz_h2_frames, 20, H2_FRAMES_CASES, named_outcome=True),
     Corpus("routes", fuzz_routes, 100, ROUTES_CASES, named_outcome=True),
+    Corpus("control_body", fuzz_control_body, 40, CONTROL_BODY_CASES, named_outcome=True),
 )
 BY_NAME = {c.name: c for c in CORPORA}
 
