@@ -49,8 +49,9 @@ class Acceptor:
         if self.listener:
             self.listener.close()
 
-    async def drain(self, timeout: float) -> int:
-        """Let live connections finish up to ``timeout``, then cancel the rest; how many were cut."""
+    async def drain(self, timeout: float | None) -> int:
+        """Let live connections finish up to ``timeout`` (None: however long they take), then cancel the
+        rest; how many were cut."""
         if not self._conns:
             return 0
         _, pending = await asyncio.wait(set(self._conns), timeout=timeout)
@@ -67,7 +68,7 @@ class Acceptor:
         while True:
             await self._slots.acquire()
             try:
-                sock, addr = await loop.sock_accept(self.listener)
+                sock, addr = await _accept(loop, self.listener)
             except OSError as e:
                 self._slots.release()
                 # EMFILE/ENFILE/ENOBUFS: back off instead of spinning; the backlog holds the peers.
@@ -87,3 +88,31 @@ class Acceptor:
     def _done(self, task: asyncio.Task[None]) -> None:
         self._conns.discard(task)
         self._slots.release()
+
+
+async def _accept(loop: asyncio.AbstractEventLoop, listener: socket.socket) -> tuple[socket.socket, Any]:
+    """One connection, non-blocking. Cancelled only while waiting for the listener to be readable, never
+    between the kernel's accept and the caller (as ``loop.sock_accept`` can be: its future done, its task
+    cancelled before it runs, the socket dropped): ``stop_accepting`` loses no connection, and where
+    another process shares the listener (a forwarder's takeover), what is left in the backlog is its.
+    Readiness shared with that process may find nothing to accept: that is a wait, not an error."""
+    fd = listener.fileno()
+    while True:
+        try:
+            sock, addr = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            pass
+        else:
+            sock.setblocking(False)
+            return sock, addr
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _wake, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
