@@ -199,8 +199,8 @@ def test_reset_from_gateway_after_close_notify_is_no_truncation(fwd: ForwarderTh
         try:
             conn.sendall(b"an answer nobody reads")  # the forwarder finds the gateway side reset
             conn.recv(1)
-        except ConnectionResetError:
-            pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # the forwarder's reset came before our answer went (BrokenPipe) or after it (reset)
 
     app = SandboxApp(handler)
     client = GwClient(fwd.port, epki.client_ctx(), timeout=60)
