@@ -61,7 +61,10 @@ def tun_to_stream(fd: int, sock: socket.socket, lock: threading.Lock) -> None:
 def stream_to_tun(fd: int, sock: socket.socket) -> None:
     buf = bytearray()
     while True:
-        chunk = sock.recv(1 << 20)
+        try:
+            chunk = sock.recv(1 << 20)
+        except OSError:
+            chunk = b""  # reset: the router closed the stream with our frames still unread
         if not chunk:
             os._exit(0)  # the router closed the stream
         buf += chunk
