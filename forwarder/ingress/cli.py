@@ -14,6 +14,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-plane", help="overrides data_plane")
     p.add_argument("--log-level", help="overrides log_level")
     p.add_argument("--check", action="store_true", help="validate the settings and certificates, then exit")
+    p.add_argument(
+        "--takeover", type=Path, metavar="SOCKET",
+        help="take the listening socket over from the forwarder serving the control socket SOCKET (its "
+             "takeover_socket), then serve that control socket for the next upgrade",
+    )
     p.epilog = (
         "Settings come from (highest first) these flags, SBXNET_FORWARDER_* environment variables "
         "(lists comma-separated), the [forwarder] table of --config, and defaults. See docs/forwarder.md."
@@ -34,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
             "workers": args.workers,
             "data_plane": args.data_plane,
             "log_level": args.log_level,
+            "takeover_socket": args.takeover,
         },
     )
     from forwarder.ingress.run import serve
 
-    return serve(settings, check_only=args.check)
+    return serve(settings, check_only=args.check, takeover=args.takeover is not None)

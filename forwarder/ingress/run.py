@@ -12,11 +12,13 @@ until after the drain: the bytes of connections that finish while draining are r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from certs import loader
 from forwarder.ingress.settings import ForwarderSettings
@@ -25,11 +27,13 @@ from sbxnet import jsonlog
 if TYPE_CHECKING:
     from forwarder.ingress.feed_reporter import FeedReporter
     from forwarder.ingress.server import ForwarderServer
+    from forwarder.ingress.takeover import Taken
+    from sbxnet.ops_http import OpsServer
 
 log = logging.getLogger("sbxnet.forwarder")
 
 
-def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
+def serve(settings: ForwarderSettings, *, check_only: bool = False, takeover: bool = False) -> int:
     jsonlog.setup(settings.log_level)
     workers = settings.workers or (os.cpu_count() or 1)
     if settings.data_plane == "ktls":
@@ -70,48 +74,122 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False) -> int:
         from forwarder.ingress.workers import supervise
 
         return supervise(settings, workers)
-    return run_single(settings)
+    taken = None
+    if takeover:
+        from forwarder.ingress.takeover import TakeoverFailed, take_over
+
+        assert settings.takeover_socket is not None  # --takeover sets it
+        try:
+            # Before any event loop: everything that can fail here fails before the running one is asked.
+            taken = take_over(settings.takeover_socket, host=settings.listen_host, port=settings.listen_port,
+                              timeout=settings.takeover_timeout)
+        except TakeoverFailed as e:
+            print(f"forwarder: {e.detail} (the running forwarder keeps serving)", file=sys.stderr)
+            return 1
+    return run_single(settings, taken=taken)
 
 
-def run_single(settings: ForwarderSettings, *, reuse_port: bool = False, ops: bool = True, stream: int = 0) -> int:
+def run_single(
+    settings: ForwarderSettings, *, reuse_port: bool = False, ops: bool = True, stream: int = 0,
+    taken: Taken | None = None,
+) -> int:
     import uvloop
 
-    return uvloop.run(_main(settings, reuse_port=reuse_port, ops=ops, stream=stream))
+    return uvloop.run(_main(settings, reuse_port=reuse_port, ops=ops, stream=stream, taken=taken))
 
 
-async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, stream: int) -> int:
+async def _start_ops(settings: ForwarderSettings, server: ForwarderServer) -> OpsServer | None:
+    """The ops endpoints, or None after printing why they cannot be had."""
     from prometheus_client import generate_latest
 
-    from forwarder.ingress.server import ForwarderServer
-    from sbxnet.listen import ListenError
     from sbxnet.ops_http import OpsServer
 
+    ops_server = OpsServer(lambda: generate_latest(server.metrics.registry), lambda: server.ready)
+    try:
+        port = await ops_server.start(str(settings.metrics_host), settings.metrics_port)
+    except OSError as e:
+        print(
+            f"forwarder: cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: "
+            f"{e.strerror} (choose another metrics_port, or 0 to disable)",
+            file=sys.stderr,
+        )
+        return None
+    log.info(
+        "ops endpoints up",
+        extra={"event": "ops_listening", "fields": {"address": f"{settings.metrics_host}:{port}"}},
+    )
+    return ops_server
+
+
+async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, stream: int, taken: Taken | None) -> int:
+    from forwarder.ingress.server import ForwarderServer
+    from forwarder.ingress.takeover import ControlServer, TakeoverFailed, announce_ready, bind_control, wait_released
+    from forwarder.ingress.takeover_codec import Offer
+    from sbxnet.listen import ListenError
+    from sbxnet.protocol.feed import MAX_STREAM
+
     server = ForwarderServer(settings, reuse_port=reuse_port)
+    want_ops = ops and bool(settings.metrics_port)
+    control_sock = None
+    if settings.takeover_socket is not None and taken is None:
+        try:
+            control_sock = bind_control(settings.takeover_socket)
+        except TakeoverFailed as e:
+            print(f"forwarder: {e.detail}", file=sys.stderr)
+            return 1
     # The ops endpoints come up first: /healthz answers as soon as the process is alive, and /readyz
     # says 503 until the listener is up, so an orchestrator never sees a port with no health to ask.
+    # A process taking over binds them once the running one has closed its own (after RELEASED).
     ops_server = None
-    if ops and settings.metrics_port:
-        ops_server = OpsServer(lambda: generate_latest(server.metrics.registry), lambda: server.ready)
-        try:
-            port = await ops_server.start(str(settings.metrics_host), settings.metrics_port)
-        except OSError as e:
-            print(
-                f"forwarder: cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: "
-                f"{e.strerror} (choose another metrics_port, or 0 to disable)",
-                file=sys.stderr,
-            )
+    if want_ops and taken is None:
+        ops_server = await _start_ops(settings, server)
+        if ops_server is None:
             return 1
-        log.info(
-            "ops endpoints up",
-            extra={"event": "ops_listening", "fields": {"address": f"{settings.metrics_host}:{port}"}},
-        )
     try:
-        await server.start()
+        await server.start(taken.listener if taken else None)
     except ListenError as e:
         print(f"forwarder: {e.detail}", file=sys.stderr)
         if ops_server:
             await ops_server.close()
         return 1
+    if taken is not None:
+        # No await since the accept loop was made: it has not accepted yet, so a process killed before
+        # this line took no connection, and the running one (still accepting) never stopped.
+        announce_ready(taken)
+        released = await asyncio.to_thread(wait_released, taken, settings.takeover_timeout)
+        log.info("took over the listener", extra={"event": "takeover_done", "fields": {
+            "from_pid": taken.offer.pid, "stream": taken.offer.stream,
+            "old_kept_connections": released.open_connections if released else None,
+            "released": released is not None}})
+        stream = taken.offer.stream
+        control_sock = taken.control
+        if want_ops:
+            ops_server = await _start_ops(settings, server)  # absent on failure: the tunnels matter more
+    control = None
+    if control_sock is not None:
+        own_stream = stream
+
+        def offer() -> tuple[Offer, list[int]] | str:
+            lst = server.listener
+            if lst is None or control_sock is None:
+                return "draining"
+            # The new process reports on the next stream: both report while this one's tunnels live on,
+            # and one stream carries one epoch at a time.
+            return (Offer(os.getpid(), f"{settings.listen_host}:{server.port}", (own_stream + 1) % (MAX_STREAM + 1),
+                          ("tls", "control")), [lst.fileno(), control_sock.fileno()])
+
+        async def release() -> int:
+            nonlocal ops_server
+            kept = await server.release()
+            if ops_server is not None:
+                await ops_server.close()  # the new process binds the port next
+                ops_server = None
+            return kept
+
+        control = ControlServer(control_sock, offer=offer, release=release, timeout=settings.takeover_timeout)
+        control.start()
+        log.info("takeover control socket up", extra={"event": "takeover_listening",
+                                                       "fields": {"path": str(settings.takeover_socket)}})
     reporter = None
     if settings.feed_url is not None:
         from forwarder.ingress.feed_reporter import reporter_for
@@ -131,15 +209,40 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload)
-    await stop.wait()
+    taken_over = control.taken_over if control is not None else asyncio.Event()
+    await _first(stop.wait(), taken_over.wait())
+    if taken_over.is_set():
+        log.info("keeping the live connections until they end", extra={
+            "event": "lingering", "fields": {"open": server.open_connections}})
+        # Their TLS state is in this process: they end here, or at SIGTERM's drain.
+        await _first(stop.wait(), server.wait_connections())
     cut = await server.drain()
     if reporter is not None:
         # After the drain, so what the last connections moved is in the final report.
         await reporter.stop(final_timeout=settings.feed_request_timeout)
+    if control is not None:
+        await control.close()
+        if not taken_over.is_set() and settings.takeover_socket is not None:
+            # Ours to remove; after a takeover the path is the new process's.
+            with contextlib.suppress(OSError):
+                os.unlink(settings.takeover_socket)
     if ops_server:
         await ops_server.close()
-    log.info("stopped", extra={"event": "stopped", "fields": {"cut": cut}})
+    up, down = server.meter.totals()
+    log.info("stopped", extra={"event": "stopped", "fields": {
+        "cut": cut, "taken_over": taken_over.is_set(), "bytes_up": up, "bytes_down": down}})
     return 0
+
+
+async def _first(*aws: Coroutine[Any, Any, Any]) -> None:
+    """Until the first of ``aws`` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _reload_feed(settings: ForwarderSettings, server: ForwarderServer, reporter: FeedReporter) -> None:

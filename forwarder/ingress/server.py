@@ -139,6 +139,28 @@ class ForwarderServer:
         log.info("certificates reloaded", extra={"event": "reloaded"})
         return True
 
+    @property
+    def listener(self) -> socket.socket | None:
+        """The TLS listening socket while this process accepts on it (a takeover offers it)."""
+        return None if self._draining else self._acceptor.listener
+
+    async def release(self) -> int:
+        """Stop accepting and close this process's copy of the listening socket, which another process
+        (the one that took over) accepts on: the socket itself stays open, so no connect is refused, and
+        what waits in its backlog is the other's. Live connections go on. Returns how many there are."""
+        self._draining = True
+        await self._acceptor.stop_accepting()
+        log.info(
+            "released the listener",
+            extra={"event": "released", "fields": {"open": self._acceptor.open_connections}},
+        )
+        return self._acceptor.open_connections
+
+    async def wait_connections(self) -> None:
+        """Until every live connection has ended by itself (after :meth:`release`: a takeover's old process
+        keeps its userspace tunnels, whose TLS state is in its memory, until they end)."""
+        await self._acceptor.drain(None)
+
     async def drain(self, timeout: float | None = None) -> int:
         """Stop accepting, let live connections finish up to ``timeout``, then cut the rest.
         Returns how many connections had to be cut."""

@@ -55,6 +55,11 @@ class ForwarderSettings(BaseSettings):
     pump_threads: int = Field(
         0, ge=0, le=256, description="ktls plane: splice threads per worker; 0 = the cores shared among the workers")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    takeover_socket: Path | None = Field(
+        None, description="Unix socket (0600) a new forwarder connects to, to take the listening socket over "
+                          "(sbxnet forwarder --takeover PATH); unset: no takeover")
+    takeover_timeout: float = Field(
+        30.0, gt=0, le=600, description="how long either side of a takeover waits for the other's next message")
 
     # The idle feed (docs/scheduler-api.md, "The idle feed"). Unset feed_url: no feed.
     feed_url: str | None = Field(None, description="https URL of the scheduler's POST /v1/feed")
@@ -109,6 +114,15 @@ class ForwarderSettings(BaseSettings):
         if (self.feed_cert_file is None) != (self.feed_key_file is None):
             raise ValueError(
                 "feed_cert_file and feed_key_file go together: set both, or neither to use cert_file and key_file"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _takeover_single_process(self) -> ForwarderSettings:
+        if self.takeover_socket is not None and self.workers != 1:
+            raise ValueError(
+                f"takeover_socket needs workers = 1 (workers = {self.workers}): a takeover hands over one "
+                "process's listener"
             )
         return self
 

@@ -1,0 +1,311 @@
+"""Upgrades that drop no tunnel: a new forwarder takes the listening socket over from the running one.
+
+The running forwarder (``takeover_socket`` set) serves a Unix SOCK_SEQPACKET control socket, mode 0600;
+a peer whose credentials (SO_PEERCRED) are neither root's nor this process's user is refused. A new
+process started with ``sbxnet forwarder --takeover <socket>`` connects and says HELLO; the running one
+answers OFFER with its TLS listener and the control socket's own listener attached (SCM_RIGHTS). The
+new one starts accepting on that very listener and says READY; only then does the running one stop
+accepting and close its copies (and its ops endpoints), answer RELEASED, and keep its live tunnels until
+they end before it exits. The listening socket is never closed, so no connect is refused: until READY
+both processes accept from one backlog, and whatever waits in it after the release is the new one's.
+A new process that dies before READY took nothing: the running one notices the control connection end
+and goes on serving everything. The messages are ``takeover_codec.py``; docs/forwarder.md gives the
+sequence and what the ktls plane will hand over too.
+
+One process per side: ``takeover_socket`` needs ``workers = 1`` (settings.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from forwarder.ingress.takeover_codec import (
+    MAX_MESSAGE,
+    ROLES,
+    Hello,
+    Offer,
+    Ready,
+    Refused,
+    Released,
+    TakeoverError,
+    pull_message,
+    push_message,
+)
+from sbxnet.errors import EnvironmentFault
+
+log = logging.getLogger("sbxnet.forwarder")
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class TakeoverFailed(EnvironmentFault):
+    """This process cannot take over (nothing answers, the running one refused, a bad offer); the
+    running forwarder keeps serving. ``detail`` is the operator's line."""
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, from the kernel."""
+    pid, uid, gid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid, gid
+
+
+def peer_allowed(uid: int) -> bool:
+    """Root, or the user this forwarder runs as: whoever could start or signal it anyway."""
+    return uid == 0 or uid == os.getuid()
+
+
+def bind_control(path: Path) -> socket.socket:
+    """The control socket's listener at ``path``, mode 0600. A forwarder already answering there is not
+    displaced (TakeoverFailed naming ``--takeover``); a stale socket file left by a killed one is."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise TakeoverFailed("control_socket", f"{path} exists and is not a socket; remove it or set another "
+                                                   "takeover_socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.settimeout(2)
+        try:
+            probe.connect(str(path))
+        except OSError as e:
+            if e.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise TakeoverFailed("control_socket", f"cannot check the control socket {path}: {e.strerror}") \
+                    from None
+            os.unlink(path)  # nobody listens: a killed forwarder's
+        else:
+            raise TakeoverFailed(
+                "control_socket",
+                f"a forwarder already serves the control socket {path}: start this one with --takeover {path} "
+                "to take over from it, or stop it first",
+            )
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o600)  # and peers are checked by credentials, whatever the mode was meanwhile
+        sock.listen(4)
+    except OSError as e:
+        sock.close()
+        raise TakeoverFailed("control_socket", f"cannot listen on the control socket {path}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+# -- the running process's side -------------------------------------------------------------------------
+
+OfferFn = Callable[[], "tuple[Offer, list[int]] | str"]
+
+
+class ControlServer:
+    """Serves the control socket: one takeover at a time, each step within ``timeout``.
+
+    ``offer()`` gives the OFFER and its descriptors (or a refusal token: ``draining``); ``release()``
+    stops accepting and returns how many tunnels stay. :attr:`taken_over` is set once a new process said
+    READY and the listener was released; from then on this server accepts nothing more.
+    """
+
+    def __init__(self, listener: socket.socket, *, offer: OfferFn, release: Callable[[], Awaitable[int]],
+                 timeout: float) -> None:
+        self.listener = listener
+        self._offer = offer
+        self._release = release
+        self._timeout = timeout
+        self._busy = False
+        self._task: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+        self.taken_over = asyncio.Event()
+        self.failures = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="takeover-control")
+
+    async def _stop_accepting(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.listener.close()
+
+    async def close(self) -> None:
+        """Stop serving and close this process's copy of the listener (the file stays: after a takeover
+        it is the new process's)."""
+        tasks = [t for t in (self._task, *self._serving) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.listener.close()
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.taken_over.is_set():
+            try:
+                conn, _ = await loop.sock_accept(self.listener)
+            except OSError as e:
+                reason = errno.errorcode.get(e.errno or 0, "oserror")
+                log.warning("control socket accept failed", extra={"event": "takeover_accept_error", "reason": reason})
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(conn))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            pid, uid, _ = peer_credentials(conn)
+            if not peer_allowed(uid):
+                log.warning("takeover refused: peer not allowed", extra={
+                    "event": "takeover_refused", "reason": "peer_not_allowed",
+                    "fields": {"peer_pid": pid, "peer_uid": uid}})
+                return
+            if self._busy or self.taken_over.is_set():
+                conn.send(push_message(Refused("busy")))
+                return
+            self._busy = True
+            try:
+                await self._take(loop, conn, pid)
+            finally:
+                self._busy = False
+        except (OSError, TimeoutError, TakeoverError) as e:
+            self.failures += 1
+            reason = e.reason if isinstance(e, TakeoverError) else "timeout" if isinstance(e, TimeoutError) else "io"
+            log.warning("takeover failed; serving on", extra={"event": "takeover_failed", "reason": reason,
+                                                              "fields": {"error": str(e)}})
+        finally:
+            conn.close()
+
+    async def _take(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, pid: int) -> None:
+        async with asyncio.timeout(self._timeout):
+            first = await loop.sock_recv(conn, MAX_MESSAGE + 1)
+        if not first:
+            return  # connected and left: another forwarder's check that this socket is served
+        hello = pull_message(first)
+        if not isinstance(hello, Hello):
+            raise TakeoverError("bad_field", f"expected HELLO, got {type(hello).__name__}")
+        offered = self._offer()
+        if isinstance(offered, str):
+            conn.send(push_message(Refused(offered)))
+            log.info("takeover refused", extra={"event": "takeover_refused", "reason": offered})
+            return
+        offer, fds = offered
+        socket.send_fds(conn, [push_message(offer)], fds)
+        log.info("listener offered", extra={"event": "takeover_offered", "fields": {
+            "peer_pid": pid, "fds": list(offer.fds), "stream": offer.stream}})
+        async with asyncio.timeout(self._timeout):
+            data = await loop.sock_recv(conn, MAX_MESSAGE + 1)
+        if not data:
+            # It ended before READY: it accepted nothing, and this process never stopped accepting.
+            self.failures += 1
+            log.warning("the new forwarder ended before it was ready; serving on",
+                        extra={"event": "takeover_failed", "reason": "ended_before_ready", "fields": {"peer_pid": pid}})
+            return
+        ready = pull_message(data)
+        if not isinstance(ready, Ready):
+            raise TakeoverError("bad_field", f"expected READY, got {type(ready).__name__}")
+        self.taken_over.set()
+        # From here on control connections are the new process's: it serves the same listener.
+        await self._stop_accepting()
+        kept = await self._release()
+        with contextlib.suppress(OSError):
+            conn.send(push_message(Released(os.getpid(), kept)))
+        log.info("taken over", extra={"event": "taken_over", "fields": {"by_pid": pid, "kept_connections": kept}})
+
+
+# -- the new process's side ---------------------------------------------------------------------------
+
+
+@dataclass
+class Taken:
+    """What a new process took: its link to the running one (kept until RELEASED), the offer, and the
+    sockets it carried."""
+
+    conn: socket.socket
+    offer: Offer
+    listener: socket.socket  # the TLS listener, shared with the running process until it releases it
+    control: socket.socket | None  # the control socket's listener, served from here on
+
+
+def take_over(path: Path, *, host: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int,
+              timeout: float) -> Taken:
+    """Connect to the running forwarder's control socket and take its listener: HELLO, then the OFFER
+    and its descriptors. The listener must be the one these settings serve (``host``, ``port``). Nothing
+    is accepted yet: the caller starts accepting, then :func:`announce_ready`. TakeoverFailed otherwise
+    (the running one keeps serving)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(str(path))
+    except OSError as e:
+        conn.close()
+        raise TakeoverFailed("connect", f"cannot reach a running forwarder at {path}: {e.strerror}") from None
+    fds: list[int] = []
+    try:
+        _, uid, _ = peer_credentials(conn)
+        if not peer_allowed(uid):
+            raise TakeoverFailed("peer", f"the control socket {path} is served by uid {uid}, neither root nor ours")
+        conn.send(push_message(Hello(os.getpid())))
+        data, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE + 1, len(ROLES))
+        try:
+            offer = pull_message(data)
+        except TakeoverError as e:
+            raise TakeoverFailed("bad_offer", f"the running forwarder's answer is not an offer ({e})") from None
+        if isinstance(offer, Refused):
+            raise TakeoverFailed("refused", f"the running forwarder refused the takeover: {offer.reason}")
+        if not isinstance(offer, Offer) or flags & socket.MSG_CTRUNC or len(fds) != len(offer.fds):
+            raise TakeoverFailed("bad_offer", "the running forwarder's offer does not carry its descriptors")
+        socks = dict(zip(offer.fds, (socket.socket(fileno=fd) for fd in fds), strict=True))
+        fds = []  # owned by the sockets now
+        listener = socks["tls"]
+        _check_listener(listener, host, port)
+        for s in socks.values():
+            s.setblocking(False)
+        return Taken(conn, offer, listener, socks.get("control"))
+    except TakeoverFailed:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        raise
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        raise TakeoverFailed("io", f"takeover over {path} failed: {e.strerror or e}") from None
+
+
+def _check_listener(sock: socket.socket, host: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> None:
+    if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        raise TakeoverFailed("bad_offer", "the offered TLS descriptor is not a listening TCP socket")
+    name = sock.getsockname()
+    if ipaddress.ip_address(name[0]) != host or name[1] != port:
+        raise TakeoverFailed(
+            "listen_mismatch",
+            f"the running forwarder listens on {name[0]}:{name[1]}, these settings on {host}:{port}; "
+            "the takeover would serve another address than configured",
+        )
+
+
+def announce_ready(taken: Taken) -> None:
+    """READY: this process accepts on the listener. Sent right after the accept loop starts and before
+    it first runs, so a process killed before this accepted nothing."""
+    taken.conn.send(push_message(Ready(os.getpid())))
+
+
+def wait_released(taken: Taken, timeout: float) -> Released | None:
+    """Blocking (run it in a thread: this process serves meanwhile): the running one's RELEASED, or None
+    if it ended or went silent first (it released or died; either way the listener is served here)."""
+    taken.conn.settimeout(timeout)
+    try:
+        msg = pull_message(taken.conn.recv(MAX_MESSAGE + 1))
+    except (OSError, TakeoverError):
+        return None
+    finally:
+        taken.conn.close()
+    return msg if isinstance(msg, Released) else None
