@@ -378,3 +378,16 @@ asyncio.run(main())
     assert mode == "0o600"
     assert nobody.startswith("403 ") and '"forbidden"' in nobody, nobody
     assert root.startswith("200 ") and refused == "1"
+
+
+async def test_a_state_file_that_cannot_be_read_refuses_the_start(tmp_path: Path) -> None:
+    # Starting without the claims it holds would hand their addresses to others.
+    from sbxnet.errors import ConfigError
+
+    for text, named in (("{", "claims.json"), ('{"version": 2, "claims": []}', "version 2"),
+                        ('{"version": 1, "claims": [{"id": "c1"}]}', "claims.0.exit: Field required")):
+        (tmp_path / "claims.json").write_text(text)
+        router = Router(_settings(_free_port(), state_dir=tmp_path), state=StateFile(tmp_path))
+        with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+            await router.start()
+        await router.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,3 +138,48 @@ async def test_database_down_refuses_the_claim_and_allocates_nothing(own_server:
         assert await m.allocate("c2") == BASE + 3  # and it works again once the database is back
     finally:
         await m.close()
+
+
+async def test_the_daemon_refuses_a_claim_while_the_database_is_down(own_server: pg_support.PgServer,
+                                                                     tmp_path: Path) -> None:
+    # Through the control API: 201 with the mesh's address; the server halted -> 503 naming the cause, no
+    # claim armed, no socket made, no row; back -> armed.
+    import aiohttp
+
+    from forwarder.egress.router.control_api import ControlServer
+    from forwarder.egress.router.daemon import Router
+    from forwarder.egress.router.settings import EgressSettings
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = EgressSettings(listen="127.0.0.1", port=port, exits=["a=127.0.0.2@02:00:00:00:00:01"],
+                              mesh_dsn=own_server.dsn, node="h1")
+    m = MeshAllocator(own_server.dsn, pool=settings.overlay, reuse_window=3600, node="h1")
+    router = Router(settings, allocator=m)
+    await router.start()
+    ctl = ControlServer(router, tmp_path / "ctl.sock")
+    await ctl.start()
+    session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(tmp_path / "ctl.sock")))
+
+    async def arm(cid: str) -> tuple[int, dict[str, str]]:
+        body = {"uds": str(tmp_path / cid), "exit": "a"}
+        async with session.put(f"http://egress/v1/claims/{cid}", json=body) as r:
+            return r.status, await r.json()
+
+    try:
+        st, body = await arm("c1")
+        assert st == 201 and body["address"] == "100.64.0.2"
+        own_server.halt()
+        st, body = await arm("c2")
+        assert (st, body["error"]) == (503, "allocator_unavailable") and "address database" in body["detail"]
+        assert list(router.paths) == ["c1"] and not (tmp_path / "c2_2051").exists()
+        own_server.resume()
+        assert [r[1] for r in _rows(own_server.dsn)] == ["c1"]
+        st, body = await arm("c2")
+        assert st == 201 and body["address"] == "100.64.0.3"
+    finally:
+        await session.close()
+        await ctl.stop()
+        await router.stop()
+
