@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -391,3 +392,41 @@ async def test_a_state_file_that_cannot_be_read_refuses_the_start(tmp_path: Path
         with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
             await router.start()
         await router.stop()
+
+
+def test_the_claims_cli_over_a_running_daemon(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SBXNET_")}
+    env.update(PYTHONPATH=str(root), SBXNET_EGRESS_EXITS=f"a={EXIT_A}@{GW_MAC.hex(':')}",
+               SBXNET_EGRESS_LISTEN="127.0.0.1", SBXNET_EGRESS_PORT=str(_free_port()),
+               SBXNET_EGRESS_STATE_DIR=str(tmp_path), SBXNET_EGRESS_CONTROL_SOCKET=str(tmp_path / "ctl.sock"))
+    daemon = subprocess.Popen([sys.executable, "-m", "sbxnet.app.cli", "egress"], env=env, cwd=root, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sbxnet.app.cli", "egress", "claims", *args], env=env,
+                              cwd=root, input=stdin, capture_output=True, text=True, timeout=60)
+
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ctl.sock").exists():
+            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr
+            time.sleep(0.05)
+        r = cli("arm", "c1", "--uds", str(tmp_path / "vm1"), "--exit", "a", "--limits", '{"quota_bytes": 1000}')
+        assert r.returncode == 0 and json.loads(r.stdout)["address"] == POOL_FIRST, r.stderr
+        r = cli("--socket", str(tmp_path / "ctl.sock"), "disable", "c1")
+        assert r.returncode == 0 and json.loads(r.stdout)["enabled"] is False
+        assert [c["id"] for c in json.loads(cli("list").stdout)["claims"]] == ["c1"]
+        exported = cli("export", "c1")
+        assert exported.returncode == 0 and json.loads(cli("list").stdout)["claims"] == []
+        r = cli("import", "-", stdin=exported.stdout)
+        assert r.returncode == 0 and json.loads(r.stdout)["enabled"] is False, r.stderr
+        r = cli("show", "nope")
+        assert r.returncode == 1 and "404 no_such_claim" in r.stderr and r.stderr.count("\n") == 1
+        r = cli("exit", "c1", "zz")
+        assert r.returncode == 1 and "400 bad_exit" in r.stderr
+        assert cli("disarm", "c1").returncode == 0
+    finally:
+        daemon.terminate()
+        daemon.communicate(timeout=20)
+    assert daemon.returncode == 0
