@@ -183,3 +183,33 @@ async def test_the_daemon_refuses_a_claim_while_the_database_is_down(own_server:
         await ctl.stop()
         await router.stop()
 
+
+
+async def test_a_restart_while_the_database_is_down_fails_and_keeps_the_state(own_server: pg_support.PgServer,
+                                                                             tmp_path: Path) -> None:
+    from forwarder.egress.router.claim_state import StateFile
+    from forwarder.egress.router.claims import ClaimState
+    from forwarder.egress.router.daemon import Router
+    from forwarder.egress.router.settings import EgressSettings
+
+    state = StateFile(tmp_path)
+    state.save([ClaimState(id="c1", address="100.64.0.2", exit="a", uds=tmp_path / "vm1")])  # type: ignore[arg-type]
+    before = (tmp_path / "claims.json").read_bytes()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = EgressSettings(listen="127.0.0.1", port=port, exits=["a=127.0.0.2@02:00:00:00:00:01"])
+    own_server.halt()
+    router = Router(settings, allocator=_mesh(own_server.dsn, "h1", net=settings.overlay), state=state)
+    with pytest.raises(AllocationError, match="allocator_unavailable"):
+        await router.start()
+    await router.stop()
+    assert (tmp_path / "claims.json").read_bytes() == before  # the claim is not given up
+    own_server.resume()
+    router = Router(settings, allocator=_mesh(own_server.dsn, "h1", net=settings.overlay), state=state)
+    await router.start()
+    try:
+        assert str(router.paths["c1"].spec.address) == "100.64.0.2"
+        assert [r[:2] for r in _rows(own_server.dsn)] == [(0x64400002, "c1")]
+    finally:
+        await router.stop()

@@ -68,6 +68,7 @@ class Router:
         self._saved_quota: dict[str, int] = {}
         self._saved_at = 0.0
         self._stopped = False
+        self._restored = False
         self.paths: dict[str, ClaimPath] = {}
         self.by_addr: dict[int, ClaimPath] = {}
         self.streams: dict[str, GuestStream] = {}
@@ -88,11 +89,14 @@ class Router:
             try:
                 await self.allocator.reserve(st.id, int(st.address))
             except AllocationError as e:
+                if e.reason == "allocator_unavailable":
+                    raise  # fail closed, and keep the state file as it is: the claim is not given up
                 # Someone else has the address now (the mesh gave it away): arming it would send as them.
                 log.error("claim not restored", extra={"event": "claim_not_restored", "fields": {
                     "claim": st.id, "address": str(st.address), "reason": e.reason, "detail": e.detail}})
                 continue
             await self.arm(st, enabled=st.enabled, quota_used=st.quota_used)
+        self._restored = True  # from here on the claims armed are the state to save
         for req in self.requests:
             if req.id not in self.paths:  # one the state file restored keeps its state
                 await self.arm_request(req, save=False)
@@ -203,8 +207,8 @@ class Router:
         return ClaimState(**path.spec.model_dump(), enabled=path.enabled, quota_used=path.limits.bytes_used)
 
     def save(self) -> None:
-        if self.state is None:
-            return
+        if self.state is None or not self._restored:
+            return  # a start that failed before its claims were restored must not write over their state
         self.state.save(self.claim_state(p) for p in self.paths.values())
         self._saved_quota = {cid: p.limits.bytes_used for cid, p in self.paths.items()}
         self._saved_at = time.monotonic()
