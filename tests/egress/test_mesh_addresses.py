@@ -193,7 +193,7 @@ async def test_a_restart_while_the_database_is_down_fails_and_keeps_the_state(ow
     from forwarder.egress.router.settings import EgressSettings
 
     state = StateFile(tmp_path)
-    state.save([ClaimState(id="c1", address="100.64.0.2", exit="a", uds=tmp_path / "vm1")])  # type: ignore[arg-type]
+    state.save([ClaimState(id="c1", address="100.64.0.2", exit="a", uds=tmp_path / "vm1")])
     before = (tmp_path / "claims.json").read_bytes()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
