@@ -45,7 +45,10 @@
 #define WAKE_TAG UINT64_MAX
 #define CONTROL_BUF (16384 + 256)
 
-enum { ST_FREE = 0, ST_PENDING, ST_LIVE, ST_DONE };
+/* ST_PAUSED: adopted, not yet resumed (no thread has it). ST_DETACHED: out of its thread, its slot
+ * waiting for sp_detach's caller to copy the state out. */
+enum { ST_FREE = 0, ST_PENDING, ST_LIVE, ST_DONE, ST_PAUSED, ST_DETACHED };
+enum { DET_NONE = 0, DET_DONE, DET_GONE };
 enum { DIR_WAIT = 0, DIR_BUDGET, DIR_FAIL };
 
 struct dir {
@@ -64,6 +67,10 @@ struct conn {
     uint32_t slot;
     int state; /* atomic */
     int abort_req; /* atomic: 0, 1 = close, 2 = reset */
+    int detach_req; /* atomic: sp_detach waits for this connection */
+    int detach_state; /* DET_*, under p->mu */
+    int32_t adopt_left_ms; /* adopted with a running close timer: arm it with this much left */
+    struct sp_detached det;
     struct worker *w;
     int gw, sb;
     uint32_t flags;
@@ -74,7 +81,7 @@ struct conn {
     struct sp_event ev;
     struct conn *next, *prev;          /* worker's live list */
     struct conn *tnext, *tprev;        /* worker's timer list */
-    struct conn *inbox_next, *ready_next, *done_next;
+    struct conn *inbox_next, *ready_next, *done_next, *det_next;
     uint8_t in_timer, in_ready;
 };
 
@@ -91,6 +98,7 @@ struct worker {
     struct conn *timers;
     struct conn *ready;
     struct conn *done;
+    struct conn *detached;
     int64_t next_tick;
 };
 
@@ -102,7 +110,8 @@ struct sp_pump {
     int stop; /* atomic */
     struct worker *workers;
     struct conn *conns;
-    pthread_mutex_t mu; /* free list, event queue, stats */
+    pthread_mutex_t mu; /* free list, event queue, stats, detach states */
+    pthread_cond_t detach_cv; /* a detach finished (under mu) */
     uint32_t *free_slots;
     int nfree;
     uint32_t *evq; /* ring of slots whose event is ready */
@@ -229,7 +238,12 @@ static void publish_done(struct worker *w)
     if (!w->done)
         return;
     pthread_mutex_lock(&p->mu);
+    int gone = 0;
     for (struct conn *c = w->done; c; c = c->done_next) {
+        if (__atomic_load_n(&c->detach_req, __ATOMIC_ACQUIRE)) {
+            c->detach_state = DET_GONE; /* finished before its detach: the event tells the rest */
+            gone = 1;
+        }
         int tail = (p->evq_head + p->evq_len) % p->max_conns;
         p->evq[tail] = c->slot;
         p->evq_len++;
@@ -237,9 +251,64 @@ static void publish_done(struct worker *w)
         p->st.bytes_up += c->ev.bytes_up;
         p->st.bytes_down += c->ev.bytes_down;
     }
+    if (gone)
+        pthread_cond_broadcast(&p->detach_cv);
     pthread_mutex_unlock(&p->mu);
     w->done = NULL;
     wake(p->evfd);
+}
+
+/* Detached connections are handed to their waiters only after the batch: until then an epoll event or
+ * the ready list of this batch may still name the slot, and the waiter frees it. */
+static void publish_detached(struct worker *w)
+{
+    sp_pump *p = w->p;
+    if (!w->detached)
+        return;
+    pthread_mutex_lock(&p->mu);
+    for (struct conn *c = w->detached; c; c = c->det_next) {
+        __atomic_store_n(&c->state, ST_DETACHED, __ATOMIC_RELEASE);
+        c->detach_state = DET_DONE;
+    }
+    pthread_cond_broadcast(&p->detach_cv);
+    pthread_mutex_unlock(&p->mu);
+    w->detached = NULL;
+}
+
+/* Out of this thread, nothing closed: the descriptors and the state go to sp_detach's caller. */
+static void conn_detach(struct worker *w, struct conn *c)
+{
+    epoll_ctl(w->epfd, EPOLL_CTL_DEL, c->gw, NULL);
+    epoll_ctl(w->epfd, EPOLL_CTL_DEL, c->sb, NULL);
+    struct sp_detached *d = &c->det;
+    memset(d, 0, sizeof *d);
+    d->gw_fd = c->gw;
+    d->sb_fd = c->sb;
+    d->up_pr = c->up.pr;
+    d->up_pw = c->up.pw;
+    d->down_pr = c->down.pr;
+    d->down_pw = c->down.pw;
+    d->up_pipe_bytes = c->up.pipe_bytes;
+    d->down_pipe_bytes = c->down.pipe_bytes;
+    d->flags = c->flags;
+    d->evflags = c->evflags;
+    d->close_timeout_ms = c->close_timeout_ms;
+    d->close_left_ms = -1;
+    if (c->in_timer) {
+        int64_t left = c->deadline_ms - now_ms();
+        d->close_left_ms = left > 0 ? (int32_t)left : 0;
+    }
+    d->dir_state = (c->up.in_eof ? SP_DS_UP_IN_EOF : 0) | (c->up.out_shut ? SP_DS_UP_OUT_SHUT : 0) |
+                   (c->down.in_eof ? SP_DS_DOWN_IN_EOF : 0) | (c->down.out_shut ? SP_DS_DOWN_OUT_SHUT : 0);
+    d->bytes_up = __atomic_load_n(&c->up.bytes, __ATOMIC_RELAXED);
+    d->bytes_down = __atomic_load_n(&c->down.bytes, __ATOMIC_RELAXED);
+    c->gw = c->sb = -1;
+    c->up.pr = c->up.pw = c->down.pr = c->down.pw = -1;
+    timer_disarm(w, c);
+    live_unlink(w, c);
+    __atomic_store_n(&c->state, ST_DONE, __ATOMIC_RELEASE); /* not live: this batch skips it */
+    c->det_next = w->detached;
+    w->detached = c;
 }
 
 /* ---- kernel TLS control records ---- */
@@ -526,6 +595,10 @@ static void take_inbox(struct worker *w)
         c->inbox_next = NULL;
         __atomic_store_n(&c->state, ST_LIVE, __ATOMIC_RELEASE);
         live_link(w, c);
+        if (c->adopt_left_ms >= 0) {
+            timer_arm(w, c);
+            c->deadline_ms = now_ms() + c->adopt_left_ms;
+        }
         struct epoll_event ev;
         memset(&ev, 0, sizeof ev);
         ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
@@ -549,6 +622,11 @@ static void take_aborts(struct worker *w)
     struct conn *c = w->live;
     while (c) {
         struct conn *next = c->next;
+        if (__atomic_load_n(&c->detach_req, __ATOMIC_ACQUIRE)) {
+            conn_detach(w, c);
+            c = next;
+            continue;
+        }
         int req = __atomic_exchange_n(&c->abort_req, 0, __ATOMIC_ACQ_REL);
         if (req)
             conn_finish(w, c, SP_OUT_ABORTED, req == 2 ? SP_R_ABORT_RESET : SP_R_ABORT, 0, req == 2,
@@ -620,9 +698,11 @@ static void *worker_main(void *arg)
         if (w->timers)
             run_timers(w);
         publish_done(w);
+        publish_detached(w);
     }
 out:
     publish_done(w);
+    publish_detached(w);
     return NULL;
 }
 
@@ -649,7 +729,7 @@ void sp_free(sp_pump *p)
     for (int i = 0; i < p->max_conns && p->conns; i++) {
         struct conn *c = &p->conns[i];
         int st = c->state;
-        if (st == ST_LIVE || st == ST_PENDING) {
+        if (st == ST_LIVE || st == ST_PENDING || st == ST_PAUSED) {
             set_linger0(c->gw);
             set_linger0(c->sb);
             close(c->gw);
@@ -669,6 +749,7 @@ void sp_free(sp_pump *p)
     if (p->evfd >= 0)
         close(p->evfd);
     pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->detach_cv);
     free(p->workers);
     free(p->conns);
     free(p->free_slots);
@@ -692,6 +773,7 @@ sp_pump *sp_new(int threads, int max_conns, int pipe_size, char *errbuf, int err
     p->pipe_size = pipe_size ? pipe_size : 65536;
     p->evfd = -1;
     pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->detach_cv, NULL);
     p->workers = calloc((size_t)threads, sizeof *p->workers);
     p->conns = calloc((size_t)max_conns, sizeof *p->conns);
     p->free_slots = calloc((size_t)max_conns, sizeof *p->free_slots);
@@ -770,33 +852,72 @@ static int make_pipe(struct dir *d, int size)
     return got > 0 ? got : -errno;
 }
 
-int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_timeout_ms)
+static struct conn *lookup(sp_pump *p, uint64_t id);
+
+/* A free slot, re-initialised under the lock (sp_counters/sp_abort may be looking at it with a stale
+ * id), assigned to the next thread; NULL when max_conns are live. */
+static struct conn *take_slot(sp_pump *p)
 {
-    if (gw_fd < 0 || sb_fd < 0 || gw_fd == sb_fd || (flags & ~SP_GW_KTLS))
-        return -EINVAL;
-    for (int i = 0; i < 2; i++) {
-        int fl = fcntl(i ? sb_fd : gw_fd, F_GETFL);
-        if (fl < 0)
-            return -errno;
-        if (!(fl & O_NONBLOCK))
-            return -EINVAL;
-    }
     pthread_mutex_lock(&p->mu);
     if (p->nfree == 0) {
         pthread_mutex_unlock(&p->mu);
-        return -ENOSPC;
+        return NULL;
     }
     uint32_t slot = p->free_slots[--p->nfree];
     uint32_t w_idx = p->rr++ % (uint32_t)p->nthreads;
-    /* Re-initialise under the lock: sp_counters/sp_abort may be looking at this slot with a stale id. */
     struct conn *c = &p->conns[slot];
     uint32_t gen = c->gen + 1;
     memset(c, 0, sizeof *c);
     c->slot = slot;
     c->gen = gen;
     pthread_mutex_unlock(&p->mu);
-
     c->w = &p->workers[w_idx];
+    c->adopt_left_ms = -1;
+    c->ev.id = ((uint64_t)gen << 32) | slot;
+    return c;
+}
+
+static void give_back_slot(sp_pump *p, struct conn *c)
+{
+    pthread_mutex_lock(&p->mu);
+    __atomic_store_n(&c->state, ST_FREE, __ATOMIC_RELEASE);
+    p->free_slots[p->nfree++] = c->slot;
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Hands a prepared connection to its thread. */
+static void enqueue(sp_pump *p, struct conn *c)
+{
+    __atomic_store_n(&c->state, ST_PENDING, __ATOMIC_RELEASE);
+    struct worker *w = c->w;
+    pthread_mutex_lock(&w->inbox_mu);
+    c->inbox_next = w->inbox;
+    w->inbox = c;
+    pthread_mutex_unlock(&w->inbox_mu);
+    wake(w->wakefd);
+    (void)p;
+}
+
+static int check_nonblocking(int fd)
+{
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0)
+        return -errno;
+    return fl & O_NONBLOCK ? 0 : -EINVAL;
+}
+
+int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_timeout_ms)
+{
+    if (gw_fd < 0 || sb_fd < 0 || gw_fd == sb_fd || (flags & ~SP_GW_KTLS))
+        return -EINVAL;
+    for (int i = 0; i < 2; i++) {
+        int r = check_nonblocking(i ? sb_fd : gw_fd);
+        if (r < 0)
+            return r;
+    }
+    struct conn *c = take_slot(p);
+    if (!c)
+        return -ENOSPC;
     c->gw = gw_fd;
     c->sb = sb_fd;
     c->flags = flags;
@@ -814,9 +935,7 @@ int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_
         close_dir_pipes(&c->up);
         close_dir_pipes(&c->down);
         c->gw = c->sb = -1;
-        pthread_mutex_lock(&p->mu);
-        p->free_slots[p->nfree++] = slot;
-        pthread_mutex_unlock(&p->mu);
+        give_back_slot(p, c);
         return r1 < 0 ? r1 : r2;
     }
     c->up.in_fd = gw_fd;
@@ -825,19 +944,127 @@ int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_
     c->down.in_fd = sb_fd;
     c->down.out_fd = gw_fd;
     c->down.out_ktls = (flags & SP_GW_KTLS) != 0;
-    c->ev.id = ((uint64_t)gen << 32) | slot;
-    __atomic_store_n(&c->state, ST_PENDING, __ATOMIC_RELEASE);
-
     pthread_mutex_lock(&p->mu);
     p->st.added++;
     pthread_mutex_unlock(&p->mu);
-    struct worker *w = c->w;
-    pthread_mutex_lock(&w->inbox_mu);
-    c->inbox_next = w->inbox;
-    w->inbox = c;
-    pthread_mutex_unlock(&w->inbox_mu);
-    wake(w->wakefd);
+    enqueue(p, c);
     return (int64_t)c->ev.id;
+}
+
+int sp_detach(sp_pump *p, uint64_t id, struct sp_detached *out)
+{
+    struct conn *c = NULL;
+    struct worker *w = NULL;
+    pthread_mutex_lock(&p->mu);
+    struct conn *found = lookup(p, id);
+    if (found) {
+        int st = __atomic_load_n(&found->state, __ATOMIC_ACQUIRE);
+        if (st == ST_LIVE || st == ST_PENDING) {
+            c = found;
+            w = c->w;
+            c->detach_state = DET_NONE;
+            __atomic_store_n(&c->detach_req, 1, __ATOMIC_RELEASE);
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (!c)
+        return -ENOENT;
+    __atomic_store_n(&w->abort_pending, 1, __ATOMIC_RELEASE);
+    wake(w->wakefd);
+    int rc;
+    pthread_mutex_lock(&p->mu);
+    while (c->detach_state == DET_NONE)
+        pthread_cond_wait(&p->detach_cv, &p->mu);
+    if (c->detach_state == DET_DONE) {
+        *out = c->det;
+        p->st.finished++; /* gone from here as a finished one would be, its bytes with it */
+        p->st.bytes_up += c->det.bytes_up;
+        p->st.bytes_down += c->det.bytes_down;
+        __atomic_store_n(&c->state, ST_FREE, __ATOMIC_RELEASE);
+        p->free_slots[p->nfree++] = c->slot;
+        rc = 0;
+    } else {
+        rc = -ENOENT; /* finished first: its event is queued, its slot freed when that is taken */
+    }
+    __atomic_store_n(&c->detach_req, 0, __ATOMIC_RELEASE);
+    c->detach_state = DET_NONE;
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+static int adopt_dir(struct dir *d, int in_fd, int out_fd, int pr, int pw, uint32_t pipe_bytes, int in_eof,
+                     int out_shut)
+{
+    int got = fcntl(pw, F_GETPIPE_SZ);
+    if (got <= 0 || check_nonblocking(pr) < 0 || check_nonblocking(pw) < 0 || pipe_bytes > (uint32_t)got)
+        return -EINVAL;
+    d->in_fd = in_fd;
+    d->out_fd = out_fd;
+    d->pr = pr;
+    d->pw = pw;
+    d->pipe_bytes = pipe_bytes;
+    d->cap = (uint32_t)got;
+    d->in_eof = (uint8_t)in_eof;
+    d->out_shut = (uint8_t)out_shut;
+    return 0;
+}
+
+int64_t sp_adopt(sp_pump *p, const struct sp_detached *d, int paused)
+{
+    int fds[6] = {d->gw_fd, d->sb_fd, d->up_pr, d->up_pw, d->down_pr, d->down_pw};
+    for (int i = 0; i < 6; i++)
+        for (int j = i + 1; j < 6; j++)
+            if (fds[i] < 0 || fds[i] == fds[j])
+                return -EINVAL;
+    if ((d->flags & ~SP_GW_KTLS) || (d->dir_state & ~0xfu) || check_nonblocking(d->gw_fd) < 0 ||
+        check_nonblocking(d->sb_fd) < 0)
+        return -EINVAL;
+    int ktls = (d->flags & SP_GW_KTLS) != 0;
+    struct conn *c = take_slot(p);
+    if (!c)
+        return -ENOSPC;
+    int r = adopt_dir(&c->up, d->gw_fd, d->sb_fd, d->up_pr, d->up_pw, d->up_pipe_bytes,
+                      (d->dir_state & SP_DS_UP_IN_EOF) != 0, (d->dir_state & SP_DS_UP_OUT_SHUT) != 0);
+    if (r == 0)
+        r = adopt_dir(&c->down, d->sb_fd, d->gw_fd, d->down_pr, d->down_pw, d->down_pipe_bytes,
+                      (d->dir_state & SP_DS_DOWN_IN_EOF) != 0, (d->dir_state & SP_DS_DOWN_OUT_SHUT) != 0);
+    if (r == 0 && ktls && (c->up.cap < SP_KTLS_MIN_PIPE || c->down.cap < SP_KTLS_MIN_PIPE))
+        r = -ENOBUFS;
+    if (r < 0) {
+        give_back_slot(p, c); /* the descriptors stay the caller's */
+        return r;
+    }
+    c->up.in_ktls = c->down.out_ktls = (uint8_t)ktls;
+    c->gw = d->gw_fd;
+    c->sb = d->sb_fd;
+    c->flags = d->flags;
+    c->evflags = d->evflags;
+    c->close_timeout_ms = d->close_timeout_ms;
+    c->adopt_left_ms = d->close_left_ms;
+    c->up.bytes = d->bytes_up;
+    c->down.bytes = d->bytes_down;
+    pthread_mutex_lock(&p->mu);
+    p->st.added++;
+    if (paused)
+        __atomic_store_n(&c->state, ST_PAUSED, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&p->mu);
+    if (!paused)
+        enqueue(p, c);
+    return (int64_t)c->ev.id;
+}
+
+int sp_resume(sp_pump *p, uint64_t id)
+{
+    pthread_mutex_lock(&p->mu);
+    struct conn *c = lookup(p, id);
+    int ok = c && __atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == ST_PAUSED;
+    if (ok)
+        __atomic_store_n(&c->state, ST_PENDING, __ATOMIC_RELEASE); /* no other resume can take it now */
+    pthread_mutex_unlock(&p->mu);
+    if (!ok)
+        return -ENOENT;
+    enqueue(p, c);
+    return 0;
 }
 
 static struct conn *lookup(sp_pump *p, uint64_t id)
@@ -856,7 +1083,7 @@ int sp_counters(sp_pump *p, uint64_t id, uint64_t *up, uint64_t *down)
     struct conn *c = lookup(p, id);
     if (c) {
         int st = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE);
-        if (st == ST_LIVE || st == ST_PENDING) {
+        if (st == ST_LIVE || st == ST_PENDING || st == ST_PAUSED) {
             *up = __atomic_load_n(&c->up.bytes, __ATOMIC_RELAXED);
             *down = __atomic_load_n(&c->down.bytes, __ATOMIC_RELAXED);
             rc = 0;
@@ -919,7 +1146,7 @@ void sp_get_stats(sp_pump *p, struct sp_stats *out)
     for (int i = 0; i < p->max_conns; i++) {
         struct conn *c = &p->conns[i];
         int st = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE);
-        if (st == ST_LIVE || st == ST_PENDING) {
+        if (st == ST_LIVE || st == ST_PENDING || st == ST_PAUSED) {
             live++;
             out->bytes_up += __atomic_load_n(&c->up.bytes, __ATOMIC_RELAXED);
             out->bytes_down += __atomic_load_n(&c->down.bytes, __ATOMIC_RELAXED);

@@ -73,6 +73,28 @@ struct sp_stats {
     uint64_t control_records; /* non-data records read with recvmsg on kTLS sockets */
 };
 
+/* A connection taken out of a pump by sp_detach(), for sp_adopt() into another (in another process:
+ * the six descriptors go over SCM_RIGHTS) or back into this one. The pipes move with it, so the bytes
+ * in them are neither lost nor sent twice: the adopting pump writes out pipe_bytes before it reads
+ * into a pipe again, as this one would have. */
+struct sp_detached {
+    int32_t gw_fd, sb_fd;
+    int32_t up_pr, up_pw;     /* gateway -> sandbox pipe: read end, write end */
+    int32_t down_pr, down_pw; /* sandbox -> gateway */
+    uint32_t up_pipe_bytes, down_pipe_bytes;
+    uint32_t flags;           /* SP_GW_* given to sp_add */
+    uint32_t evflags;         /* SP_EV_* so far */
+    uint32_t close_timeout_ms;
+    int32_t close_left_ms;    /* -1: no direction has ended; else what is left of the close timeout */
+    uint32_t dir_state;       /* SP_DS_* bits */
+    uint64_t bytes_up, bytes_down; /* delivered so far; an adopted connection's counters go on from these */
+};
+
+#define SP_DS_UP_IN_EOF 0x1u
+#define SP_DS_UP_OUT_SHUT 0x2u
+#define SP_DS_DOWN_IN_EOF 0x4u
+#define SP_DS_DOWN_OUT_SHUT 0x8u
+
 typedef struct sp_pump sp_pump;
 
 /* threads >= 1, max_conns >= 1, pipe_size in bytes (0 = the kernel's default, 64 KiB): each pipe is
@@ -93,6 +115,16 @@ int sp_take_events(sp_pump *p, struct sp_event *out, int max);
 /* Asks the owning thread to end a connection (reset != 0: with a TCP reset both ways). 0 or -ENOENT. */
 int sp_abort(sp_pump *p, uint64_t id, int reset);
 void sp_get_stats(sp_pump *p, struct sp_stats *out);
+/* Takes a live connection out of the pump without closing or moving anything more: its owning thread
+ * stops watching it, and *out receives its descriptors (the caller's from now on) and its state. Waits
+ * for that thread. 0, or -ENOENT if it is unknown or finished first (its event comes as usual). */
+int sp_detach(sp_pump *p, uint64_t id, struct sp_detached *out);
+/* Takes over a detached connection (descriptors owned by the pump on success, as with sp_add): returns
+ * its new id, or -errno (EINVAL: a descriptor missing or blocking, or a state it cannot be in). With
+ * paused != 0 nothing is read or written until sp_resume(); sp_counters reports it meanwhile. */
+int64_t sp_adopt(sp_pump *p, const struct sp_detached *d, int paused);
+/* Starts a paused adopted connection. 0, or -ENOENT. */
+int sp_resume(sp_pump *p, uint64_t id);
 /* Stops the threads and closes every descriptor still owned (no events for those). */
 void sp_free(sp_pump *p);
 

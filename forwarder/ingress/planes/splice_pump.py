@@ -9,6 +9,8 @@ becomes readable and :meth:`take_events` returns its :class:`PumpEvent` (final, 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 import errno
 import os
@@ -80,6 +82,60 @@ class PumpEvent:
     bytes_down: int  # sandbox -> gateway, delivered
     err: int  # errno behind the reason, 0 if none
     flags: int  # EV_* bits: how each side ended
+
+
+# sp_detached.dir_state (SP_DS_*): which ends each direction has met.
+DS_UP_IN_EOF = 0x1
+DS_UP_OUT_SHUT = 0x2
+DS_DOWN_IN_EOF = 0x4
+DS_DOWN_OUT_SHUT = 0x8
+
+_DETACHED_FIELDS = (
+    "gw_fd", "sb_fd", "up_pr", "up_pw", "down_pr", "down_pw", "up_pipe_bytes", "down_pipe_bytes", "flags",
+    "evflags", "close_timeout_ms", "close_left_ms", "dir_state", "bytes_up", "bytes_down",
+)
+
+
+@dataclass(frozen=True)
+class Detached:
+    """A connection taken out of a pump (:meth:`SplicePump.detach`): its six descriptors, now the
+    caller's, and its state, for :meth:`SplicePump.adopt` here or in another process (the descriptors
+    go over SCM_RIGHTS; :meth:`with_fds` gives the numbers they arrive as). The pipes carry the bytes
+    in them (``up_pipe_bytes``, ``down_pipe_bytes``), so moving them loses none and sends none twice."""
+
+    gw_fd: int
+    sb_fd: int
+    up_pr: int
+    up_pw: int
+    down_pr: int
+    down_pw: int
+    up_pipe_bytes: int
+    down_pipe_bytes: int
+    flags: int  # GW_* as given to add
+    evflags: int  # EV_* so far
+    close_timeout_ms: int
+    close_left_ms: int  # -1: no direction has ended
+    dir_state: int  # DS_* bits
+    bytes_up: int  # delivered so far: an adopted connection's counters go on from these
+    bytes_down: int
+
+    @property
+    def fds(self) -> list[int]:
+        return [self.gw_fd, self.sb_fd, self.up_pr, self.up_pw, self.down_pr, self.down_pw]
+
+    def with_fds(self, fds: list[int]) -> Detached:
+        """The same connection, its descriptors as numbered in this process (in :attr:`fds`' order)."""
+        if len(fds) != 6:
+            raise ValueError(f"a detached connection has 6 descriptors, not {len(fds)}")
+        return dataclasses.replace(self, gw_fd=fds[0], sb_fd=fds[1], up_pr=fds[2], up_pw=fds[3], down_pr=fds[4],
+                                   down_pw=fds[5])
+
+    def close(self) -> None:
+        """Close this process's copies of the six descriptors (after another process adopted them: its
+        copies keep the sockets and pipes open, and nothing is sent)."""
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -173,6 +229,32 @@ class SplicePump:
     def abort(self, conn_id: int, *, reset: bool = False) -> bool:
         """Ask the pump to end a connection (with a TCP reset both ways if ``reset``); False if gone."""
         return int(self._lib.sp_abort(self._live(), conn_id, 1 if reset else 0)) == 0
+
+    def detach(self, conn_id: int) -> Detached | None:
+        """Take a live connection out of the pump: its thread stops watching it, nothing is closed, and
+        the descriptors are the caller's from now on. None if it is unknown or finished first (its event
+        then comes as usual). Blocks until the pump's thread has let go of it (within one of its batches)."""
+        out = self._ffi.new("struct sp_detached *")
+        if self._lib.sp_detach(self._live(), conn_id, out) < 0:
+            return None
+        return Detached(*(int(getattr(out, name)) for name in _DETACHED_FIELDS))
+
+    def adopt(self, d: Detached, *, paused: bool = False) -> int:
+        """Take over a detached connection (its descriptors the pump's on success, as with :meth:`add`):
+        its counters go on from ``d``'s, its pipes' bytes go out before anything more is read. With
+        ``paused`` nothing moves until :meth:`resume`. OSError (the descriptors stay the caller's):
+        EINVAL for a descriptor missing, repeated or blocking, ENOBUFS for a kTLS one's pipe too small."""
+        c = self._ffi.new("struct sp_detached *")
+        for name in _DETACHED_FIELDS:
+            setattr(c, name, getattr(d, name))
+        r = self._lib.sp_adopt(self._live(), c, 1 if paused else 0)
+        if r < 0:
+            raise OSError(-r, f"splice pump adopt: {os.strerror(-r)}")
+        return int(r)
+
+    def resume(self, conn_id: int) -> bool:
+        """Start a connection adopted paused; False if there is none such."""
+        return int(self._lib.sp_resume(self._live(), conn_id)) == 0
 
     def stats(self) -> PumpStats:
         s = self._ffi.new("struct sp_stats *")
