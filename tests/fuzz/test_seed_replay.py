@@ -23,6 +23,7 @@ import fuzz_feed_text
 import fuzz_h2_frames
 import fuzz_names
 import fuzz_preamble
+import fuzz_reply
 import fuzz_rewrite
 import fuzz_routes
 import fuzz_segment
@@ -70,6 +71,9 @@ ROUTES_CASES = (*(f"{r}-*" for r in ROUTE_REASONS), "ok-registration-golden-*", 
 CONTROL_BODY_CASES = ("too_long-*", "not_utf8-*", "not_json-*-nan", "not_json-*-duplicate-key", "not_json-*-deep",
                       "not_object-*", "unknown_field-arm-address", "missing_field-*", "bad_field-arm-dot-uds",
                       "bad_field-*-bool", "bad_claim_id-*", "ok-arm-exactly-64-kib", "ok-import")
+# The inbound flow key (tests/fuzz/make_reply_seeds.py): what may reopen a flow, and quotes that are not the claim's.
+REPLY_CASES = ("ok-tcp-ack-resumable", "ok-tcp-syn", "ok-tcp-rst", "ok-tcp-merged-*", "ok-icmp-frag-needed-*",
+               "bad_reply-icmp-error-quotes-another", "bad_reply-icmp-error-quote-*")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
@@ -85,6 +89,7 @@ CORPORA = (
     Corpus("h2_frames", fuzz_h2_frames, 20, H2_FRAMES_CASES, named_outcome=True),
     Corpus("routes", fuzz_routes, 100, ROUTES_CASES, named_outcome=True),
     Corpus("control_body", fuzz_control_body, 40, CONTROL_BODY_CASES, named_outcome=True),
+    Corpus("reply", fuzz_reply, 20, REPLY_CASES, named_outcome=True),
 )
 BY_NAME = {c.name: c for c in CORPORA}
 
