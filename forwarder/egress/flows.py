@@ -182,6 +182,16 @@ class FlowTable:
     def __contains__(self, key: object) -> bool:
         return key in self._flows
 
+    def touch(self, key: FlowKey, now: float) -> bool:
+        """A packet of ``key`` if it is a known flow (its idle timer refreshed): True; otherwise False and
+        nothing is judged or remembered (the inbound path: only the claim's own side opens flows)."""
+        flows = self._flows
+        if key not in flows:
+            return False
+        flows.move_to_end(key)
+        flows[key] = now
+        return True
+
     def admit(self, key: FlowKey, now: float) -> bool:
         flows = self._flows
         if key in flows:

@@ -3,7 +3,8 @@
 ``server ADDR``: in the internet namespace, a UDP echo on port 7 and a TCP service on 5001 (``up N``:
 read N bytes, answer their SHA-256; ``down N SEED``: send N bytes of a seeded stream). Prints ``ready``.
 The client commands run in the guest namespace and print one JSON line: ``ping ADDR`` (three ICMP
-echoes, raw socket), ``udp ADDR``, ``tcp-up ADDR N``, ``tcp-down ADDR N SEED``, ``forge SRC ADDR PORT``
+echoes, raw socket), ``udp ADDR``, ``tcp-up ADDR N``, ``tcp-down ADDR N SEED`` (also the longest wait between two reads,
+``max_gap``, and when it ended, ``max_gap_end``, by ``time.monotonic()``), ``forge SRC ADDR PORT``
 (a UDP datagram with a forged source, through a raw socket).
 """
 
@@ -112,16 +113,21 @@ def client(argv: list[str]) -> dict[str, object]:
     if cmd == "tcp-down":
         n, seed = int(argv[2]), int(argv[3])
         h, received = hashlib.sha256(), 0
+        gap, gap_at, last = 0.0, 0.0, t0  # the longest wait for bytes, and when it ended (monotonic)
         with socket.create_connection((addr, 5001), timeout=30) as c:
             c.sendall(f"down {n} {seed}\n".encode())
             while received < n:
                 chunk = c.recv(CHUNK)
+                now = time.monotonic()
                 if not chunk:
                     break
+                if received and now - last > gap:
+                    gap, gap_at = now - last, now
+                last = now
                 h.update(chunk)
                 received += len(chunk)
         return {"match": h.hexdigest() == hashlib.sha256(stream_bytes(n, seed)).hexdigest(), "got": received,
-                "s": time.monotonic() - t0}
+                "s": time.monotonic() - t0, "max_gap": gap, "max_gap_end": gap_at}
     if cmd == "forge":
         src, port = argv[1], int(argv[3])
         addr = argv[2]

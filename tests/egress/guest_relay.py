@@ -12,6 +12,13 @@ route, prints ``ready <granted> <mtu> <set on the device>`` and then pumps frame
 threads). The framing is written here independently of the product's codec. A line ``inject <hex>`` on
 stdin sends that frame (vnet header + IPv4) as a guest agent could, bytes the kernel would never build
 (fragments, lengths that lie).
+
+With ``--reconnect`` it behaves like a guest agent whose host side went away (a daemon restart, a move):
+the device and the guest's sockets stay, frames the kernel sends meanwhile are dropped, and it dials
+again every 10 ms (the path a line ``uds <path>`` on stdin last named: a move's new host) until the hello
+is answered. It prints ``closed <t>`` and ``reconnected <t> <granted>`` with ``time.monotonic()``, the
+clock the daemon's own timestamps use, so a test can measure the outage. Without it a closed stream
+ends the relay.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 TUNSETIFF = 0x400454CA
 TUNSETOFFLOAD = 0x400454D0
@@ -51,31 +59,81 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def tun_to_stream(fd: int, sock: socket.socket, lock: threading.Lock) -> None:
+class Conn:
+    """The stream now in use (None while redialling) and where to dial next."""
+
+    def __init__(self, path: str, offloads: int, mtu: int) -> None:
+        self.path = path
+        self.offloads = offloads
+        self.mtu = mtu
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+
+    def dial(self) -> tuple[int, int]:
+        """Connect and say hello: (offloads granted, mtu), or OSError/EOFError."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+            sock.sendall(HELLO.pack(1, 1, self.offloads, self.mtu, 0))
+            version, flags, offloads, mtu, _ = HELLO.unpack(recv_exact(sock, 12))
+        except (OSError, EOFError):
+            sock.close()
+            raise
+        if version != 1 or not flags & 1:
+            sock.close()
+            print(f"refused {version} {flags}", flush=True)
+            os._exit(1)
+        with self.lock:
+            self.sock = sock
+        return offloads, mtu
+
+
+def tun_to_stream(fd: int, conn: Conn) -> None:
     while True:
         frame = os.read(fd, 65536 + 16)
-        with lock:
-            sock.sendmsg([struct.pack("!I", len(frame)), frame])
+        with conn.lock:
+            if conn.sock is None:
+                continue  # no host side now: dropped, as a guest's agent would while it redials
+            try:
+                conn.sock.sendmsg([struct.pack("!I", len(frame)), frame])
+            except OSError:
+                pass  # the stream is going; the reader notices and redials
 
 
-def stream_to_tun(fd: int, sock: socket.socket) -> None:
-    buf = bytearray()
+def stream_to_tun(fd: int, conn: Conn, reconnect: bool) -> None:
     while True:
-        try:
-            chunk = sock.recv(1 << 20)
-        except OSError:
-            chunk = b""  # reset: the router closed the stream with our frames still unread
-        if not chunk:
-            os._exit(0)  # the router closed the stream
-        buf += chunk
-        pos = 0
-        while len(buf) - pos >= 4:
-            (n,) = struct.unpack_from("!I", buf, pos)
-            if len(buf) - pos - 4 < n:
+        sock = conn.sock
+        assert sock is not None
+        buf = bytearray()
+        while True:
+            try:
+                chunk = sock.recv(1 << 20)
+            except OSError:
+                chunk = b""  # reset: the router closed the stream with our frames still unread
+            if not chunk:
                 break
-            os.write(fd, buf[pos + 4 : pos + 4 + n])
-            pos += 4 + n
-        del buf[:pos]
+            buf += chunk
+            pos = 0
+            while len(buf) - pos >= 4:
+                (n,) = struct.unpack_from("!I", buf, pos)
+                if len(buf) - pos - 4 < n:
+                    break
+                os.write(fd, buf[pos + 4 : pos + 4 + n])
+                pos += 4 + n
+            del buf[:pos]
+        if not reconnect:
+            os._exit(0)  # the router closed the stream
+        with conn.lock:
+            conn.sock = None
+        sock.close()
+        print(f"closed {time.monotonic():.6f}", flush=True)
+        while True:
+            try:
+                offloads, _ = conn.dial()
+                break
+            except (OSError, EOFError):
+                time.sleep(0.01)
+        print(f"reconnected {time.monotonic():.6f} {offloads:#x}", flush=True)
 
 
 def main() -> int:
@@ -85,15 +143,11 @@ def main() -> int:
     ap.add_argument("--offloads", type=lambda s: int(s, 0), default=0x2B)  # CSUM TSO4 TSO_ECN USO4
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument("--dev", default="gtun0")
+    ap.add_argument("--reconnect", action="store_true", help="redial a closed stream instead of ending")
     a = ap.parse_args()
     fd = open_tun(a.dev)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(a.uds)
-    sock.sendall(HELLO.pack(1, 1, a.offloads, a.mtu, 0))
-    version, flags, offloads, mtu, _ = HELLO.unpack(recv_exact(sock, 12))
-    if version != 1 or not flags & 1:
-        print(f"refused {version} {flags}", flush=True)
-        return 1
+    conn = Conn(a.uds, a.offloads, a.mtu)
+    offloads, mtu = conn.dial()
     tun_offloads = offloads
     if offloads & TUN_F_USO4 and not offloads & TUN_F_USO6:
         # Linux's TUNSETOFFLOAD takes USO4 only together with USO6, which this host never grants: the
@@ -103,17 +157,20 @@ def main() -> int:
     for cmd in (["addr", "add", f"{a.addr}/32", "dev", a.dev], ["link", "set", a.dev, "mtu", str(mtu), "up"],
                 ["link", "set", "lo", "up"], ["route", "add", "default", "dev", a.dev]):
         subprocess.run(["ip", *cmd], check=True)
-    lock = threading.Lock()
-    threading.Thread(target=tun_to_stream, args=(fd, sock, lock), daemon=True).start()
-    threading.Thread(target=stream_to_tun, args=(fd, sock), daemon=True).start()
+    threading.Thread(target=tun_to_stream, args=(fd, conn), daemon=True).start()
+    threading.Thread(target=stream_to_tun, args=(fd, conn, a.reconnect), daemon=True).start()
     print(f"ready {offloads:#x} {mtu} {tun_offloads:#x}", flush=True)
     for line in sys.stdin:
         word, _, arg = line.strip().partition(" ")
         if word == "inject":
             frame = bytes.fromhex(arg)
-            with lock:
-                sock.sendall(struct.pack("!I", len(frame)) + frame)
+            with conn.lock:
+                if conn.sock is not None:
+                    conn.sock.sendall(struct.pack("!I", len(frame)) + frame)
             print("injected", flush=True)
+        elif word == "uds":
+            conn.path = arg  # the next dial goes there
+            print("uds", flush=True)
     return 0
 
 

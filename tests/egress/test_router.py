@@ -19,6 +19,7 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dpkt
 import pytest
@@ -97,16 +98,17 @@ class Rig:
         return dict(self.router.paths["c1"].drops)
 
 
-async def _rig(tmp_path: Path) -> AsyncIterator[Rig]:
+async def _rig(tmp_path: Path, policy: dict[str, object] | None = None, **settings: Any) -> AsyncIterator[Rig]:
+    """The daemon with claims c1 (``policy``) and c2 and ``settings`` besides the rig's own, c1's guest hello'd."""
     port = _free_port()
     exit_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     exit_sock.bind((EXIT, port))
     stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     stranger.bind((STRANGER, port))
     s = EgressSettings(listen="127.0.0.1", port=port, vni=VNI, exits=[f"a={EXIT}@{GW_MAC.hex(':')}"],
-                       router_mac=ROUTER_MAC.hex(":"))
+                       router_mac=ROUTER_MAC.hex(":"), **settings)
     claims = parse_claims(json.dumps({"claims": [
-        {"id": "c1", "address": "100.64.1.2", "exit": "a", "uds": str(tmp_path / "vm1")},
+        {"id": "c1", "address": "100.64.1.2", "exit": "a", "uds": str(tmp_path / "vm1"), "policy": policy or {}},
         {"id": "c2", "address": "100.64.1.3", "exit": "a", "uds": str(tmp_path / "vm2"),
          "policy": {"rules": ["deny udp any 53"]}},
     ]}), Known(s.overlay, frozenset({"a"})))
@@ -230,6 +232,7 @@ async def test_guarded_and_denied_destinations_are_dropped_and_counted(rig: Rig)
 
 
 async def test_inbound_reaches_the_guest_and_strangers_do_not(rig: Rig) -> None:
+    await rig.send(vnet() + udp(b"question"))  # the flow the answer belongs to
     reply = udp(b"answer", src=REMOTE, dst=CLAIM, sport=53, dport=5353)
     rig.exit.sendto(vxlan_datagram(reply), ("127.0.0.1", rig.port))
     rig.stranger.sendto(vxlan_datagram(udp(b"stranger", src=REMOTE, dst=CLAIM)), ("127.0.0.1", rig.port))
@@ -404,8 +407,11 @@ async def test_a_guest_that_stops_reading_is_closed(tmp_path: Path) -> None:
         await reader.readexactly(12)
         await asyncio.sleep(0.05)
         stream = router.streams["c1"]
+        writer.write(struct.pack("!I", len(vnet() + udp(b"q"))) + vnet() + udp(b"q"))  # the flow
+        await writer.drain()
+        await asyncio.sleep(0.05)
         # The guest reads nothing more; the exit keeps sending until the stream's write buffer is full.
-        dgram = vxlan_datagram(udp(b"z" * 1400, src=REMOTE, dst=CLAIM))
+        dgram = vxlan_datagram(udp(b"z" * 1400, src=REMOTE, dst=CLAIM, sport=53, dport=5353))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
         while stream.paused_since is None:

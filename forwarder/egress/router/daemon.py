@@ -308,15 +308,18 @@ class Router:
         if not got:
             return
         deliver, replies = self.inbound.run(vx.rx, got)
+        now = time.monotonic()
         for addr, frames in deliver.items():
             path = self.by_addr[addr]
             stream = self.streams.get(path.id)
             if not path.enabled:
                 path.drops["disabled"] += len(frames)
             elif stream is None:
-                path.drops["no_guest"] += len(frames)
-            else:
-                stream.deliver(frames)
+                path.drops["no_guest"] += len(frames)  # judged by no flow: nothing reopened for nobody
+            elif stream.paused_since is not None:
+                path.drops["guest_backlog"] += len(frames)
+            elif kept := path.accept_inbound(frames, now):
+                stream.deliver(kept)
         for reply, host in replies:
             vx.sendto(reply, host)
             self.counts["arp_replies"] += 1
@@ -352,7 +355,9 @@ class Router:
             "claims": {
                 cid: {
                     "address": str(p.spec.address), "frames_out": p.sent.frames, "packets_out": p.sent.packets,
-                    "bytes_out": p.sent.bytes, "flows": len(p.flows), "drops": dict(p.drops),
+                    "bytes_out": p.sent.bytes, "frames_in": p.received.frames, "packets_in": p.received.packets,
+                    "bytes_in": p.received.bytes, "flows": len(p.flows), "flows_resumed": p.resumed,
+                    "drops": dict(p.drops),
                     "flow_refusals": dict(p.flows.refusals), "quota_used": p.limits.bytes_used,
                     "exit": p.exit.label, "enabled": p.enabled, "switched_at": p.switched_at,
                     "frames_since_switch": p.frames_since_switch,

@@ -1,4 +1,5 @@
-"""One armed claim's outbound path, no sockets: guest frames judged, then segmented by the C core.
+"""One armed claim's packet path, no sockets: guest frames judged, then segmented by the C core; the
+exits' delivery frames checked against the claim's flows.
 
 The guest's stream bytes sit in the stream adapter's own receive buffer; ``ClaimPath.take`` finds the
 whole frames there (the C splitter, ``OutboundBatch.split``: the same frames as ``FrameDecoder``, as
@@ -8,6 +9,12 @@ that passed into the core's batch. The core never sees a frame the validator has
 accepts a superset: fragments, bytes past the total length, an unchecked UDP length). Every refusal is
 counted under its reason token in ``drops``; the C's own refusals (none are expected) under
 ``core_types.REASONS``. A claim's flows, limits and counters outlive the guest's connection.
+
+Inbound (``accept_inbound``): a delivery frame reaches the guest only as part of one of the claim's
+flows (``reply.pull_reply`` gives the outbound key it answers). A TCP segment of an unknown flow with
+neither SYN nor RST reopens it, judged as a first packet (``FlowTable.admit``: flow cap, new-flow rate,
+guard, policy), so a download that straddles a re-arm (a restart, a move) goes on; anything else of an
+unknown flow is dropped (``no_flow``), a refused reopen as ``resume_<reason>``, and neither leaves a flow.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from forwarder.egress.core_types import OK, PREFIX_LEN, REASONS, OutParams, vxlan_eth_prefix
+from forwarder.egress.errors import FlowRefused, InboundRefused
 from forwarder.egress.fastpath import OutboundBatch
 from forwarder.egress.flows import FlowTable, flow_key
 from forwarder.egress.guard import AddressGuard
 from forwarder.egress.limits import ClaimLimits
+from forwarder.egress.reply import pull_reply, wire_size
 from forwarder.egress.router.claims import ClaimSpec
 from forwarder.egress.router.settings import ExitSpec
 from forwarder.egress.validate import validate_outbound
@@ -38,6 +47,13 @@ class Sent:
     frames: int = 0  # guest frames accepted
     packets: int = 0  # wire packets
     bytes: int = 0  # inner IPv4 bytes on the wire (prefixes excluded)
+
+
+@dataclass(slots=True)
+class Received:
+    frames: int = 0  # delivery frames written toward the guest
+    packets: int = 0  # the wire packets they were (a merged TCP frame is several)
+    bytes: int = 0  # their IPv4 bytes on the wire
 
 
 class ClaimPath:
@@ -67,6 +83,8 @@ class ClaimPath:
         self.offloads = HOST_OFFLOADS
         self.drops: Counter[str] = Counter()
         self.sent = Sent()
+        self.received = Received()
+        self.resumed = 0  # flows reopened by an inbound segment
         self._pending = 0  # frames loaded in the batch that the core has not consumed yet
         self._consumed = 0
 
@@ -131,6 +149,33 @@ class ClaimPath:
             self.frames_since_switch += k
         self._run(buf)
         return consumed, bad
+
+    def accept_inbound(self, frames: list[memoryview], now: float) -> list[memoryview]:
+        """The delivery frames (in order) that belong to the claim's flows; the rest dropped and counted."""
+        flows, drops, rcv = self.flows, self.drops, self.received
+        kept: list[memoryview] = []
+        for frame in frames:
+            try:
+                key, resumable = pull_reply(frame)
+            except InboundRefused as exc:
+                drops[exc.reason] += 1
+                continue
+            if not flows.touch(key, now):
+                if not resumable:
+                    drops["no_flow"] += 1
+                    continue
+                try:
+                    flows.admit(key, now)
+                except FlowRefused as exc:
+                    drops["resume_" + exc.reason] += 1
+                    continue
+                self.resumed += 1
+            nbytes, packets = wire_size(frame)
+            rcv.frames += 1
+            rcv.packets += packets
+            rcv.bytes += nbytes
+            kept.append(frame)
+        return kept
 
     def more(self) -> bool:
         return self._pending > 0
