@@ -13,7 +13,9 @@ platform can call with a token alone; a certificate that does not chain to the C
   wake too, for an operator).
 
 Refusals are one line: 400 with the reason for a bad body or parameter (unknown fields too), 401 without
-credentials, 403 with the wrong ones, 404 for an unknown sandbox, 503 when the store is unavailable.
+credentials, 403 with the wrong ones, 404 for an unknown sandbox, 503 when the store is unavailable, and
+503 with ``Retry-After: 1`` when the store thread has too many operations waiting (``store_thread.Busy``).
+Every store call is awaited on the service's store threads, never made on the event loop.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from sbxnet.protocol.feed import MAX_BODY_BYTES
 from sbxnet.protocol.routes import MAX_BODY, RouteError, check_sandbox_id, pull_registration, push_route
 from scheduler.feed_http import FEED_PATH, peer_sans
 from scheduler.service import SchedulerService, Unavailable
-from scheduler.store import StoreError
+from scheduler.store import Store, StoredEvent, StoreError
+from scheduler.store_thread import Busy
 from scheduler.timers import UnknownSandbox
 
 MAX_WAKE_WAIT_S = 30.0
@@ -82,6 +85,10 @@ async def _body(request: web.Request, fields: dict[str, type | tuple[type, ...]]
         if name in obj and (not isinstance(obj[name], kind) or isinstance(obj[name], bool)):
             raise _bad(f"field {name!r} has the wrong type")
     return obj
+
+
+def _events_after(store: Store, after: int) -> list[StoredEvent]:
+    return store.events_after(after, 500)
 
 
 class Api:
@@ -152,7 +159,7 @@ class Api:
     async def get_route(self, request: web.Request) -> web.StreamResponse:
         self._require(request, gateway=True)
         sandbox = self._sandbox(request)
-        route = self.service.route(sandbox)
+        route = await self.service.lookup(sandbox)
         if route is None:
             return _json({"error": "unknown sandbox"}, 404,
                          {"Cache-Control": f"max-age={self.negative_cache_s}"})
@@ -188,25 +195,25 @@ class Api:
             registration = pull_registration(body)
         except RouteError as e:
             raise _bad(f"{e.reason}: {e.detail}" if e.detail else e.reason) from None
-        created, state = self.service.register(sandbox, registration)
+        created, state = await self.service.call(self.service.register, sandbox, registration)
         return _json({"sandbox": sandbox, "incarnation": registration.incarnation, "state": state.value},
                      201 if created else 200)
 
     async def delete_sandbox(self, request: web.Request) -> web.StreamResponse:
         self._require(request, gateway=False)
         sandbox = self._sandbox(request)
-        if not self.service.remove(sandbox):
+        if not await self.service.call(self.service.remove, sandbox):
             return _error(404, "unknown sandbox")
         return _json({"sandbox": sandbox, "removed": True})
 
     async def list_sandboxes(self, request: web.Request) -> web.StreamResponse:
         self._require(request, gateway=False)
-        return _json({"sandboxes": [s.to_json() for s in self.service.status()]})
+        return _json({"sandboxes": [s.to_json() for s in await self.service.status_now()]})
 
     async def get_sandbox(self, request: web.Request) -> web.StreamResponse:
         self._require(request, gateway=False)
         sandbox = self._sandbox(request)
-        return _json(self.service.status_of(sandbox).to_json())
+        return _json((await self.service.status_of_now(sandbox)).to_json())
 
     async def hold(self, request: web.Request) -> web.StreamResponse:
         self._require(request, gateway=False)
@@ -215,7 +222,7 @@ class Api:
         ttl = float(obj["ttl_s"])
         if not (math.isfinite(ttl) and 0 < ttl <= 86400 * 30):
             raise _bad("ttl_s: more than 0 and at most 30 days")
-        return _json({"hold_until": self.service.hold(sandbox, ttl)})
+        return _json({"hold_until": await self.service.call(self.service.hold, sandbox, ttl)})
 
     async def driver(self, request: web.Request) -> web.StreamResponse:
         self._require(request, gateway=False)
@@ -223,7 +230,7 @@ class Api:
         obj = await _body(request, {"event": str}, ["event"])
         if obj["event"] not in DRIVER_EVENTS:
             raise _bad(f"event: one of {', '.join(DRIVER_EVENTS)}")
-        state, proceed = self.service.driver_report(sandbox, obj["event"])
+        state, proceed = await self.service.call(self.service.driver_report, sandbox, obj["event"])
         out: dict[str, object] = {"state": state.value}
         if proceed is not None:
             out["proceed"] = proceed
@@ -250,11 +257,10 @@ class Api:
     async def _stream_events(self, resp: web.StreamResponse, after: int) -> None:
         loop = asyncio.get_running_loop()
         beat = loop.time() + SSE_HEARTBEAT_S
-        store = self.service.store
         while True:
             news = self.service.new_events()
             try:
-                batch = store.events_after(after, 500)
+                batch = await self.service.read(_events_after, after, bounded=False)
             except StoreError:
                 batch = []
             for stored in batch:
@@ -282,6 +288,9 @@ class Api:
             return _error(404, "unknown sandbox")
         except Unavailable as e:
             return _error(503, f"store unavailable: {e.detail}")
+        except Busy:
+            self._count("busy")
+            return _json({"error": "busy: try again"}, 503, {"Retry-After": "1"})
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=max(MAX_BODY_BYTES, MAX_BODY), middlewares=[self._errors])

@@ -20,8 +20,12 @@ body through ``pull_batch``, the decision and the write through ``ingest_batch``
   resends the same batch; the timer core is rebuilt from the store first, since it holds changes the
   store does not.
 
-``ingest_batch`` runs on the event loop without awaiting, so two requests never interleave between the
-ledger read and its claim. Each commit syncs the WAL (SqliteStore's default), one fsync per batch.
+``ingest_batch`` runs on the store thread (``store_thread.StoreThread``, one worker: two batches never
+interleave between the ledger read and its claim, and the event loop never waits on the store); when
+that thread has too many operations waiting the batch gets 503 with ``Retry-After: 1`` and nothing is
+done (the forwarder keeps its deltas and sends them again). Without a store thread (a bare feed endpoint,
+as some tests serve it) it runs on the event loop without awaiting. Each commit syncs the WAL
+(SqliteStore's default), one fsync per batch.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from typing import Any
 from aiohttp import web
 
 from sbxnet.errors import ConfigError
-from sbxnet.protocol.feed import MAX_BODY_BYTES, MAX_STREAM, FeedError, pull_batch, push_answer
+from sbxnet.protocol.feed import MAX_BODY_BYTES, MAX_STREAM, Batch, FeedError, pull_batch, push_answer
+from scheduler.feed_ledger import Decision
 from scheduler.store import CoreAhead, Store, StoreError, ingest_batch, load_core
+from scheduler.store_thread import Busy, StoreThread
 from scheduler.timers import Event, TimerCore
 
 FEED_PATH = "/v1/feed"
@@ -54,7 +60,8 @@ class FeedService:
     """The feed's state: the store, the timer core built from it, the allowlist and the counters.
 
     ``now`` is the scheduler's clock for the timer core (wall seconds by default: the store keeps these
-    times across restarts). ``on_events`` gets the events of each applied batch once it has committed."""
+    times across restarts). ``on_events`` gets the events of each applied batch once it has committed
+    (on the store thread when there is one). ``worker``: the thread the store is used on."""
 
     def __init__(
         self,
@@ -64,8 +71,10 @@ class FeedService:
         core: TimerCore | None = None,
         now: Callable[[], float] = time.time,
         on_events: Callable[[list[Event]], None] | None = None,
+        worker: StoreThread | None = None,
     ) -> None:
         self.store = store
+        self.worker = worker
         self.core = core if core is not None else load_core(store)
         self.allow = frozenset(allow)
         self._now = now
@@ -117,21 +126,36 @@ class FeedService:
         except FeedError as e:
             _count(self.refused, e.reason)
             return web.Response(status=e.http_status, text=e.reason)
+        if self.worker is None:
+            decision = self.ingest(identity, batch)
+        else:
+            try:
+                decision = await self.worker.run(self.ingest, identity, batch, bounded=True)
+            except Busy:
+                _count(self.refused, "busy")
+                return web.Response(status=503, text="busy", headers={"Retry-After": "1"})
+        if decision is None:
+            return web.Response(status=500, text="store_error")
+        _count(self.answered, decision.verdict.value)
+        answer = decision.answer
+        return web.Response(status=answer.http_status, body=push_answer(answer), content_type="application/json")
+
+    def ingest(self, identity: str, batch: Batch) -> Decision | None:
+        """One batch judged, applied and committed (on the store thread); its events handed to
+        ``on_events`` after the commit. None: the store failed (the forwarder gets 500 and resends)."""
         try:
             decision, events = ingest_batch(self.core, self.store, identity, batch, self._now())
         except CoreAhead:
             self.store_errors += 1
             self._rebuild()
-            return web.Response(status=500, text="store_error")
+            return None
         except StoreError:
             # Failed before the core changed (the store unreachable, the ledger unreadable): no rebuild.
             self.store_errors += 1
-            return web.Response(status=500, text="store_error")
-        _count(self.answered, decision.verdict.value)
+            return None
         if events and self._on_events is not None:
             self._on_events(events)
-        answer = decision.answer
-        return web.Response(status=answer.http_status, body=push_answer(answer), content_type="application/json")
+        return decision
 
     def _rebuild(self) -> None:
         try:

@@ -1,5 +1,7 @@
 """The scheduler's Prometheus metrics, read from the service's counters at scrape time (a collector, so
-the hot paths only bump plain integers)."""
+the hot paths only bump plain integers). A scrape reads no store and no core: the counts by state are
+the ones the timer loop took last on the store thread (``SchedulerService.state_counts``, at most a
+second or so old)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,7 @@ class SchedulerCollector(Collector):
         feed = service.feed
         states = GaugeMetricFamily("sbxnet_scheduler_sandboxes", "Registered sandboxes by state", labels=["state"])
         counts = {s.value: 0 for s in State}
-        for row in service.status():
-            counts[row.state.value] += 1
+        counts.update(service.state_counts)
         for state, n in counts.items():
             states.add_metric([state], n)
         yield states

@@ -479,6 +479,10 @@ class PgStore(OneShotWrites):
         self._regs.keep_only({s.sandbox for s in out})
         return out
 
+    def sandbox(self, sandbox: str) -> StoredSandbox | None:
+        rows = self._read(f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox = %s", (sandbox,))
+        return self._sandbox_of(rows[0]) if rows else None
+
     def ledger(self, identity: str) -> Stored | None:
         rows = self._read("SELECT epoch, last_seq FROM feed_ledger WHERE identity = %s", (identity,))
         return Stored(str(rows[0][0]), int(rows[0][1])) if rows else None

@@ -1,8 +1,14 @@
 """Running a scheduler process: logging, the store, the event loop, signals, the ops endpoints.
 
 SIGTERM and SIGINT stop it: the listener closes, requests in flight finish (aiohttp's shutdown), the
-timer loop and the webhook sender stop, the store is closed. Nothing is lost by stopping: every change
-was committed before it was answered, and undelivered webhooks are sent after the next start.
+timer loop and the webhook sender stop, the store is closed.
+
+The store is opened, used and closed on the service's store thread (``store_thread.StoreThread``), and a
+second connection to it for the reads that must not wait behind a write (route lookups, status on a
+shared store, the event stream) on a thread of its own: the event loop never calls the store.
+
+Nothing is lost by stopping: every change was committed before it was answered, and undelivered
+webhooks are sent after the next start.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import sys
 
 from scheduler.settings import SchedulerSettings
 from scheduler.store import Store
+from scheduler.store_thread import StoreThread
 
 log = logging.getLogger("sbxnet.scheduler")
 
@@ -64,15 +71,33 @@ def serve(settings: SchedulerSettings, *, check_only: bool = False) -> int:
         store.close()
         print("scheduler: settings, certificates and the store are valid")
         return 0
+    store.close()  # checked; it is opened again on its own thread
     import uvloop
 
+    return uvloop.run(_main(settings))
+
+
+async def _main(settings: SchedulerSettings) -> int:
+    from sbxnet.errors import SbxnetError
+
+    worker, reader_thread = StoreThread(), StoreThread("sbxnet-store-read")
+    stores: list[tuple[StoreThread, Store]] = []
     try:
-        return uvloop.run(_main(settings, store))
+        for thread in (worker, reader_thread):
+            stores.append((thread, await thread.run(open_store, settings)))
+        return await _serve(settings, worker, stores[0][1], reader_thread, stores[1][1])
+    except SbxnetError as e:
+        print(f"scheduler: {e.detail or e}", file=sys.stderr)
+        return 1
     finally:
-        store.close()
+        for thread, store in stores:
+            await thread.run(store.close)
+        worker.close()
+        reader_thread.close()
 
 
-async def _main(settings: SchedulerSettings, store: Store) -> int:
+async def _serve(settings: SchedulerSettings, worker: StoreThread, store: Store, reader_thread: StoreThread,
+                 reader: Store) -> int:
     from aiohttp import web
     from prometheus_client import generate_latest
 
@@ -80,18 +105,21 @@ async def _main(settings: SchedulerSettings, store: Store) -> int:
     from scheduler.api_http import Api
     from scheduler.metrics import registry_for
     from scheduler.service import SchedulerService
+    from scheduler.store import load_core
     from scheduler.webhook import WebhookSender
 
+    core = await worker.run(load_core, store)
     service = SchedulerService(store, forwarder_allow=settings.forwarder_san_allow,
                                auto_ready=settings.webhook_url is None, resync_s=settings.resync_s,
-                               source_stale_s=settings.source_stale_s)
+                               source_stale_s=settings.source_stale_s, worker=worker, reader=reader,
+                               reader_thread=reader_thread, core=core)
     api = Api(service, admin_token_sha256=settings.admin_hash(), gateway_allow=settings.gateway_san_allow,
               route_cache_s=settings.route_cache_s, negative_cache_s=settings.negative_cache_s)
     webhook = None
     if settings.webhook_url is not None:
         secret = settings.webhook_secret_file.read_bytes().strip() if settings.webhook_secret_file else None
         wctx = ssl.create_default_context(cafile=str(settings.webhook_ca_file) if settings.webhook_ca_file else None)
-        webhook = WebhookSender(store, settings.webhook_url, news=service.new_events, secret=secret,
+        webhook = WebhookSender(store, settings.webhook_url, news=service.new_events, worker=worker, secret=secret,
                                 ssl_context=wctx)
     runner = web.AppRunner(api.app(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()

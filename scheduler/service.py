@@ -1,15 +1,24 @@
 """The scheduler's service: the one owner of the timer core, the store and what follows a state change
 (docs/scheduler-api.md). The HTTP adapter (``api_http.py``) calls it; it calls no network itself.
 
-Every change runs the same way, synchronously on the event loop (so two requests never interleave inside
-one): open a store transaction, lock and re-read the rows it will change, put them back into the core
+Every change runs the same way, as one synchronous operation on the store thread
+(``store_thread.StoreThread``: one worker, so two operations never interleave, and the event loop never
+waits on the store): open a store transaction, lock and re-read the rows it will change, put them back into the core
 (``_refresh``), apply the core's call, write back what changed with its events, commit. The store is the
 truth and the core a cache of it: on a store another replica writes too (PostgreSQL), the re-read under
 the row lock is what keeps two replicas from losing each other's updates or both firing one idle timer;
 on SQLite it costs a primary-key read. A write that fails leaves the core ahead of the store, so the core
 is rebuilt from the store (``load_core``) before the error goes back to the caller (``Unavailable``).
 
-After a commit the events are published: waiters on a sandbox's wake are woken, the timer loop re-arms,
+The synchronous methods are those operations (a test may call them directly, on its own thread); the
+event loop calls them through ``call`` (and reads through ``read``: the route lookup, status and the event
+log on a second store connection of its own thread when one is given, so a read does not wait behind a
+write that waits on a lock). ``status`` and the timer loop's next deadline come from the core, read on
+the store thread too: the core is that thread's.
+
+After a commit the events are published on the loop (handed to it from the store thread with
+``call_soon_threadsafe`` right after the commit, so in commit order, and whether or not the request that
+made them still waits): waiters on a sandbox's wake are woken, the timer loop re-arms,
 the event stream and the webhook sender are told there is something new (both read the store's event log,
 so an event another replica committed reaches them too, on their next poll).
 
@@ -35,11 +44,13 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sbxnet.errors import EnvironmentFault, LocalProtocolError
 from sbxnet.protocol.routes import Registration, Route
 from scheduler.feed_http import FeedService
-from scheduler.store import UNATTRIBUTED, Store, StoreError, Tx, load_core
+from scheduler.store import UNATTRIBUTED, Store, StoredSandbox, StoreError, Tx, load_core
+from scheduler.store_thread import StoreThread
 from scheduler.timers import (
     Activity,
     Event,
@@ -52,7 +63,10 @@ from scheduler.timers import (
 
 log = logging.getLogger("sbxnet.scheduler")
 
+T = TypeVar("T")
+
 MAX_TIMER_SLEEP_S = 0.5  # the timer loop looks again at least this often (a report can make a deadline appear)
+COUNT_EVERY_S = 1.0  # the metrics' counts by state are taken this often (a pass over every sandbox)
 MAX_SWEEP_S = 1.0  # stale feed sources are looked for this often (a quarter of source_stale_s if less)
 
 
@@ -75,7 +89,11 @@ class SchedulerService:
     """``now`` is wall-clock seconds (the store keeps these times across restarts). ``auto_ready``: no
     driver is configured, so a wake takes the sandbox straight to ``active`` (a fleet whose sandboxes
     always run); otherwise the driver is the platform's webhook, which answers through ``driver_*``.
-    ``source_stale_s``: a feed stream silent this long has its open counts forgotten (0: never)."""
+    ``source_stale_s``: a feed stream silent this long has its open counts forgotten (0: never).
+    ``worker``: the thread ``store`` is used on (one is made if not given); ``reader``: a second store
+    object on the same database for the reads that must not wait behind a write (route lookups, status on
+    a shared store, the event log), used on a thread of its own (``reader_thread``; made if not given).
+    Without a reader those reads go through ``worker``."""
 
     def __init__(
         self,
@@ -86,17 +104,28 @@ class SchedulerService:
         auto_ready: bool = False,
         resync_s: float = 5.0,
         source_stale_s: float = 30.0,
+        worker: StoreThread | None = None,
+        reader: Store | None = None,
+        reader_thread: StoreThread | None = None,
+        max_pending: int | None = None,
+        core: TimerCore | None = None,
     ) -> None:
         if not source_stale_s >= 0:
             raise LocalProtocolError("bad_config", "source_stale_s must be 0 (never) or positive")
         self.store = store
+        self.worker = worker or (StoreThread() if max_pending is None else StoreThread(max_pending=max_pending))
+        self.reader = reader
+        self.reader_thread = (reader_thread or StoreThread("sbxnet-store-read")) if reader is not None else None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.auto_ready = auto_ready
         self.resync_s = resync_s
         self.source_stale_s = source_stale_s
         self._now = now
         self._started_at = now()  # forget_stale waits source_stale_s from here
         self._unattributed_forgotten = False
-        self.feed = FeedService(store, forwarder_allow, now=now, on_events=self._published)
+        # ``core``: the store's, loaded already (on the store thread); otherwise loaded here.
+        self.feed = FeedService(store, forwarder_allow, core=core, now=now, on_events=self._published,
+                                worker=self.worker)
         self._changed: dict[str, asyncio.Event] = {}  # sandbox -> set at its next state change
         self._new_events = asyncio.Event()  # the event stream and the webhook sender wait on it
         self._timer_kick = asyncio.Event()
@@ -105,6 +134,8 @@ class SchedulerService:
             "events": 0, "wakes": 0, "driver_starts": 0, "timer_fires": 0, "store_errors": 0, "resyncs": 0,
             "sources_forgotten": 0,
         }
+        self.state_counts: dict[str, int] = {}  # by state, as of the timer loop's last count (metrics)
+        self._counted_at = -COUNT_EVERY_S
 
     # -- the core and the transaction pattern ---------------------------------------------------
 
@@ -152,9 +183,17 @@ class SchedulerService:
         self._timer_kick.set()
 
     def _published(self, events: list[Event]) -> None:
-        """After a commit: wake whoever waits on these sandboxes, and tell the stream and the sender."""
+        """After a commit: wake whoever waits on these sandboxes, and tell the stream and the sender. On
+        the store thread this hands them to the loop (in commit order); on the loop it publishes."""
         if not events:
             return
+        loop = self._loop
+        if loop is not None and self.worker.on_thread():
+            loop.call_soon_threadsafe(self._publish, events)
+            return
+        self._publish(events)
+
+    def _publish(self, events: list[Event]) -> None:
         self.counters["events"] += len(events)
         for ev in events:
             waiter = self._changed.pop(ev.sandbox, None)
@@ -169,6 +208,21 @@ class SchedulerService:
     def new_events(self) -> asyncio.Event:
         """Set at the next commit that made events (on this replica)."""
         return self._new_events
+
+    async def call(self, fn: Callable[..., T], *args: object, bounded: bool = True) -> T:
+        """``fn(*args)`` (one of the operations here) on the store thread; ``Busy`` when too many wait."""
+        self._loop = asyncio.get_running_loop()
+        return await self.worker.run(fn, *args, bounded=bounded)
+
+    async def read(self, fn: Callable[..., T], *args: object, bounded: bool = True) -> T:
+        """``fn(store, *args)`` on the reader's thread with the reader store (the writer's without one)."""
+        if self.reader is None or self.reader_thread is None:
+            return await self.call(fn, self.store, *args, bounded=bounded)
+        return await self.reader_thread.run(fn, self.reader, *args, bounded=bounded)
+
+    async def lookup(self, sandbox: str) -> Route | None:
+        """``route`` read without waiting behind a write."""
+        return await self.read(self._route_in, sandbox)
 
     # -- the registry ---------------------------------------------------------------------------
 
@@ -196,16 +250,22 @@ class SchedulerService:
 
     def route(self, sandbox: str) -> Route | None:
         """The gateway's route lookup: the registration as stored with the current state. Read from the
-        store (another replica may have changed it), not from the core."""
-        try:
-            with self.store.transaction() as tx:
-                row = tx.lock([sandbox]).get(sandbox)
-        except StoreError as e:
-            self.counters["store_errors"] += 1
-            raise Unavailable(f"{e.reason}: {e.detail}") from e
+        store (another replica may have changed it), not from the core: the last commit, without a lock
+        (a plain read; on PostgreSQL a row lock does not hold it up, on SQLite's WAL neither does a write)."""
+        return self._route_in(self.store, sandbox)
+
+    def _route_in(self, store: Store, sandbox: str) -> Route | None:
+        row = self._row(store, sandbox)
         if row is None:
             return None
         return row.registration.route(sandbox, row.state.state.value)
+
+    def _row(self, store: Store, sandbox: str) -> StoredSandbox | None:
+        try:
+            return store.sandbox(sandbox)
+        except StoreError as e:
+            self.counters["store_errors"] += 1
+            raise Unavailable(f"{e.reason}: {e.detail}") from e
 
     # -- holds, wakes and the driver --------------------------------------------------------------
 
@@ -242,7 +302,7 @@ class SchedulerService:
         """The gateway's wake: start it (coalesced by the core: the driver is asked once per idle/stopped
         -> waking), then wait up to ``wait`` seconds for it to be active. A sandbox that leaves ``waking``
         for anything but ``active`` had its start fail."""
-        state = self.start_wake(sandbox)
+        state = await self.call(self.start_wake, sandbox)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while True:
@@ -257,10 +317,10 @@ class SchedulerService:
             # A replica that shares the store may take the change: look at the row now and then too.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), min(left, 0.25) if self.store.shared else left)
-            row = self.route(sandbox)
-            if row is None:
+            route = await self.read(self._route_in, sandbox, bounded=False)
+            if route is None:
                 raise UnknownSandbox(sandbox)
-            state = State(row.state)
+            state = State(route.state)
 
     def driver_report(self, sandbox: str, what: str) -> tuple[State, bool | None]:
         """The driver's word (``POST /v1/sandboxes/{id}/driver``): ``stopping`` (answers whether to
@@ -303,11 +363,28 @@ class SchedulerService:
         writes by up to ``resync_s``), otherwise from the core, which is then exactly the store."""
         if not self.store.shared:
             return self.core.status(self.now())
+        return self._status_in(self.store)
+
+    def _status_in(self, store: Store) -> list[SandboxStatus]:
         try:
-            return load_core(self.store).status(self.now())
+            return load_core(store).status(self.now())
         except StoreError as e:
             self.counters["store_errors"] += 1
             raise Unavailable(f"{e.reason}: {e.detail}") from e
+
+    async def status_now(self) -> list[SandboxStatus]:
+        """``status`` from the loop: the core on the store thread, or a shared store through the reader."""
+        if self.store.shared:
+            return await self.read(self._status_in)
+        return await self.call(self.status)
+
+    async def status_of_now(self, sandbox: str) -> SandboxStatus:
+        if self.store.shared:
+            for row in await self.status_now():
+                if row.sandbox == sandbox:
+                    return row
+            raise UnknownSandbox(sandbox)
+        return await self.call(self.status_of, sandbox)
 
     def status_of(self, sandbox: str) -> SandboxStatus:
         for row in self.status() if self.store.shared else ():
@@ -393,6 +470,7 @@ class SchedulerService:
         self.counters["resyncs"] += 1
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._timer_task = asyncio.create_task(self._timers(), name="scheduler-timers")
 
     async def stop(self) -> None:
@@ -402,25 +480,49 @@ class SchedulerService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def close(self) -> None:
+        """End the store threads (after ``stop``), each once what it was given is done; the stores stay open."""
+        self.worker.close()
+        if self.reader_thread is not None:
+            self.reader_thread.close()
+
+    def _timer_round(self, sweep: bool, resync: bool) -> tuple[float | None, bool]:
+        """One round of the timer loop, on the store thread: the sweep, the due timers, a resync; returns
+        the next deadline and whether the store failed."""
+        failed = False
+        try:
+            if sweep:
+                self.forget_stale()
+            self.fire_due()
+        except Unavailable as e:
+            failed = True
+            log.warning("idle timers: store unavailable", extra={"event": "timer_store_error",
+                                                                 "fields": {"error": str(e)}})
+        if resync:
+            self.resync()
+        if time.monotonic() >= self._counted_at + COUNT_EVERY_S:
+            self._counted_at = time.monotonic()
+            counts = dict.fromkeys((s.value for s in State), 0)
+            for state in self.core.states():
+                counts[state.value] += 1
+            self.state_counts = counts
+        return self.core.next_timer(), failed
+
     async def _timers(self) -> None:
         loop = asyncio.get_running_loop()
         next_resync = loop.time() + self.resync_s
         sweep_s = min(MAX_SWEEP_S, self.source_stale_s / 4)
         next_sweep = loop.time()
         while True:
-            try:
-                if sweep_s > 0 and loop.time() >= next_sweep:
-                    next_sweep = loop.time() + sweep_s
-                    self.forget_stale()
-                self.fire_due()
-            except Unavailable as e:
-                log.warning("idle timers: store unavailable", extra={"event": "timer_store_error",
-                                                                     "fields": {"error": str(e)}})
-                await asyncio.sleep(1.0)
-            if self.store.shared and loop.time() >= next_resync:
-                self.resync()
+            sweep = sweep_s > 0 and loop.time() >= next_sweep
+            if sweep:
+                next_sweep = loop.time() + sweep_s
+            resync = self.store.shared and loop.time() >= next_resync
+            if resync:
                 next_resync = loop.time() + self.resync_s
-            at = self.core.next_timer()
+            at, failed = await self.call(self._timer_round, sweep, resync, bounded=False)
+            if failed:
+                await asyncio.sleep(1.0)
             sleep = MAX_TIMER_SLEEP_S if at is None else min(MAX_TIMER_SLEEP_S, max(0.0, at - self.now()))
             self._timer_kick.clear()
             with contextlib.suppress(TimeoutError):

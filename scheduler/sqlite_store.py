@@ -351,7 +351,10 @@ class SqliteStore(OneShotWrites):
         self._known_at: int | None = None
         try:
             # isolation_level=None: the module opens no transaction of its own; ours are explicit.
-            self._conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_s)
+            # check_same_thread=False: the scheduler uses a store on its store thread (one at a time),
+            # which need not be the thread that opened it.
+            self._conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_s,
+                                         check_same_thread=False)
         except sqlite3.Error as e:
             raise StoreError("open", f"{path}: {e}") from None
         try:
@@ -458,6 +461,10 @@ class SqliteStore(OneShotWrites):
         out = [self._sandbox_of(row) for row in self._read(f"SELECT {_ROW_COLS} FROM sandboxes ORDER BY sandbox")]
         self._regs.keep_only({s.sandbox for s in out})
         return out
+
+    def sandbox(self, sandbox: str) -> StoredSandbox | None:
+        rows = self._read(f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox = ?", (sandbox,))
+        return self._sandbox_of(rows[0]) if rows else None
 
     def ledger(self, identity: str) -> Stored | None:
         rows = self._read("SELECT epoch, last_seq FROM feed_ledger WHERE identity = ?", (identity,))

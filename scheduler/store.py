@@ -221,6 +221,11 @@ class Store(Protocol):
         """Every stored sandbox, by ID."""
         ...
 
+    def sandbox(self, sandbox: str) -> StoredSandbox | None:
+        """One stored sandbox as last committed, or None; a plain read that takes no lock and waits for
+        none (the route lookup)."""
+        ...
+
     def ledger(self, identity: str) -> Stored | None:
         """The record for a forwarder identity, or None when there is none."""
         ...

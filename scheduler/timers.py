@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple
@@ -379,6 +379,10 @@ class TimerCore:
     def state_of(self, sandbox: str) -> State | None:
         sb = self._sandboxes.get(sandbox)
         return None if sb is None else sb.st.state
+
+    def states(self) -> Iterator[State]:
+        """Each sandbox's state, in no order (for counts)."""
+        return (sb.st.state for sb in self._sandboxes.values())
 
     def __len__(self) -> int:
         return len(self._sandboxes)

@@ -12,6 +12,8 @@ the body>`` lets the platform check it came from us. A 2xx marks the event deliv
 status, a time-out, a refused connection) is retried after a capped, jittered backoff (0.25 s doubling
 to 10 s), and nothing later is sent before it, so the platform sees a sandbox's ``idle`` before its
 ``waking``.
+
+The store is called on the scheduler's store thread (``worker``), never on the event loop.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable
 import aiohttp
 
 from scheduler.store import Store, StoredEvent, StoreError
+from scheduler.store_thread import StoreThread
 
 log = logging.getLogger("sbxnet.scheduler")
 
@@ -54,6 +57,7 @@ class WebhookSender:
         url: str,
         *,
         news: Callable[[], asyncio.Event],
+        worker: StoreThread,
         secret: bytes | None = None,
         ssl_context: ssl.SSLContext | None = None,
         timeout_s: float = 5.0,
@@ -61,6 +65,7 @@ class WebhookSender:
         now: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
+        self.worker = worker  # the thread ``store`` is used on (the service's)
         self.url = url
         self.secret = secret
         self._news = news
@@ -90,7 +95,7 @@ class WebhookSender:
             while True:
                 news = self._news()
                 try:
-                    batch = self.store.claim_webhooks(self.owner, self._now(), self.lease_s)
+                    batch = await self.worker.run(self.store.claim_webhooks, self.owner, self._now(), self.lease_s)
                 except StoreError as e:
                     self._fail(f"store_{e.reason}")
                     batch = []
@@ -124,7 +129,7 @@ class WebhookSender:
             self._fail(type(e).__name__)
             return False
         try:
-            self.store.mark_delivered([stored.id])
+            await self.worker.run(self.store.mark_delivered, [stored.id])
         except StoreError as e:
             # Sent but not marked: it will be sent again (the platform drops the repeat by id).
             self._fail(f"store_{e.reason}")

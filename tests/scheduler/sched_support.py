@@ -21,7 +21,8 @@ from certs import loader
 from certs.mint import mint_ca, mint_leaf, write_issued
 from scheduler.api_http import Api
 from scheduler.service import SchedulerService
-from scheduler.store import Store
+from scheduler.store import Store, load_core
+from scheduler.store_thread import StoreThread
 from scheduler.webhook import WebhookSender
 
 GATEWAY_SAN = "spiffe://t/gateway"
@@ -91,8 +92,10 @@ class SchedulerApp:
     def __init__(self, store_factory: Callable[[], Store], pki: dict[str, Path], *, port: int | None = None,
                  webhook_url: str | None = None, webhook_secret: bytes | None = None,
                  route_cache_s: int = 2, negative_cache_s: int = 1,
-                 gateway_allow: tuple[str, ...] = (GATEWAY_SAN,), source_stale_s: float = 30.0) -> None:
+                 gateway_allow: tuple[str, ...] = (GATEWAY_SAN,), source_stale_s: float = 30.0,
+                 max_pending: int | None = None) -> None:
         self.source_stale_s = source_stale_s
+        self.max_pending = max_pending
         self.gateway_allow = gateway_allow
         self.store_factory = store_factory
         self.pki = pki
@@ -101,6 +104,8 @@ class SchedulerApp:
         self.webhook_secret = webhook_secret
         self.route_cache_s = route_cache_s
         self.negative_cache_s = negative_cache_s
+        # The test's own connection, for its reads on its own thread (what is committed); the service's
+        # stores are used on their threads only (service.store, service.reader).
         self.store: Store | None = None
         self.service: SchedulerService | None = None
         self.api: Api | None = None
@@ -112,10 +117,17 @@ class SchedulerApp:
         return f"https://127.0.0.1:{self.port}"
 
     async def start(self) -> SchedulerApp:
+        # As run.py does: each store opened on the thread it is used on, the core loaded there.
+        worker = StoreThread() if self.max_pending is None else StoreThread(max_pending=self.max_pending)
+        reader_thread = StoreThread("sbxnet-store-read")
+        store = await worker.run(self.store_factory)
+        reader = await reader_thread.run(self.store_factory)
+        core = await worker.run(load_core, store)
         self.store = self.store_factory()
-        self.service = SchedulerService(self.store, forwarder_allow=[FORWARDER_SAN],
+        self.service = SchedulerService(store, forwarder_allow=[FORWARDER_SAN],
                                         auto_ready=self.webhook_url is None, resync_s=1.0,
-                                        source_stale_s=self.source_stale_s)
+                                        source_stale_s=self.source_stale_s, worker=worker, reader=reader,
+                                        reader_thread=reader_thread, core=core)
         self.api = Api(self.service, admin_token_sha256=ADMIN_SHA, gateway_allow=self.gateway_allow,
                        route_cache_s=self.route_cache_s, negative_cache_s=self.negative_cache_s)
         self._runner = web.AppRunner(self.api.app(), access_log=None, shutdown_timeout=1.0)
@@ -124,8 +136,8 @@ class SchedulerApp:
                           reuse_address=True).start()
         self.service.start()
         if self.webhook_url is not None:
-            self.webhook = WebhookSender(self.store, self.webhook_url, news=self.service.new_events,
-                                         secret=self.webhook_secret)
+            self.webhook = WebhookSender(store, self.webhook_url, news=self.service.new_events,
+                                         worker=worker, secret=self.webhook_secret)
             self.webhook.start()
         return self
 
@@ -138,9 +150,14 @@ class SchedulerApp:
         if self.webhook is not None:
             await self.webhook.stop()
             self.webhook = None
-        if self.store is not None:
+        if self.service is not None and self.store is not None:
+            service = self.service
+            await service.worker.run(service.store.close)
+            if service.reader_thread is not None and service.reader is not None:
+                await service.reader_thread.run(service.reader.close)
+            service.close()
             self.store.close()
-            self.store = None
+        self.store = None
 
 
 class Client:
