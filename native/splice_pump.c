@@ -959,6 +959,36 @@ int sp_detach(sp_pump *p, uint64_t id, struct sp_detached *out)
     struct conn *found = lookup(p, id);
     if (found) {
         int st = __atomic_load_n(&found->state, __ATOMIC_ACQUIRE);
+        if (st == ST_PAUSED) {
+            /* No thread has it: its descriptors and state are handed back as adopted. */
+            struct sp_detached *d = &found->det;
+            memset(d, 0, sizeof *d);
+            d->gw_fd = found->gw;
+            d->sb_fd = found->sb;
+            d->up_pr = found->up.pr;
+            d->up_pw = found->up.pw;
+            d->down_pr = found->down.pr;
+            d->down_pw = found->down.pw;
+            d->up_pipe_bytes = found->up.pipe_bytes;
+            d->down_pipe_bytes = found->down.pipe_bytes;
+            d->flags = found->flags;
+            d->evflags = found->evflags;
+            d->close_timeout_ms = found->close_timeout_ms;
+            d->close_left_ms = found->adopt_left_ms;
+            d->dir_state = (found->up.in_eof ? SP_DS_UP_IN_EOF : 0) | (found->up.out_shut ? SP_DS_UP_OUT_SHUT : 0) |
+                           (found->down.in_eof ? SP_DS_DOWN_IN_EOF : 0) |
+                           (found->down.out_shut ? SP_DS_DOWN_OUT_SHUT : 0);
+            d->bytes_up = found->up.bytes;
+            d->bytes_down = found->down.bytes;
+            *out = *d;
+            p->st.finished++;
+            p->st.bytes_up += d->bytes_up;
+            p->st.bytes_down += d->bytes_down;
+            __atomic_store_n(&found->state, ST_FREE, __ATOMIC_RELEASE);
+            p->free_slots[p->nfree++] = found->slot;
+            pthread_mutex_unlock(&p->mu);
+            return 0;
+        }
         if (st == ST_LIVE || st == ST_PENDING) {
             c = found;
             w = c->w;

@@ -117,7 +117,8 @@ int sp_abort(sp_pump *p, uint64_t id, int reset);
 void sp_get_stats(sp_pump *p, struct sp_stats *out);
 /* Takes a live connection out of the pump without closing or moving anything more: its owning thread
  * stops watching it, and *out receives its descriptors (the caller's from now on) and its state. Waits
- * for that thread. 0, or -ENOENT if it is unknown or finished first (its event comes as usual). */
+ * for that thread. A paused one (sp_adopt) is handed back as it was adopted. 0, or -ENOENT if it is
+ * unknown or finished first (its event comes as usual). */
 int sp_detach(sp_pump *p, uint64_t id, struct sp_detached *out);
 /* Takes over a detached connection (descriptors owned by the pump on success, as with sp_add): returns
  * its new id, or -errno (EINVAL: a descriptor missing or blocking, or a state it cannot be in). With

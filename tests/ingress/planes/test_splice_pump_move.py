@@ -221,3 +221,20 @@ def test_adopt_refuses_what_it_cannot_take_and_leaves_the_descriptors(pumps: tup
     w.gw_peer.sendall(b"ok")
     assert w.sb_peer.recv(10) == b"ok"
     w.close()
+
+
+def test_a_paused_connection_detaches_as_it_was_adopted(pumps: tuple[SplicePump, SplicePump]) -> None:
+    a, b = pumps
+    w = wire(a)
+    w.gw_peer.sendall(b"x" * 10)
+    assert w.sb_peer.recv(10) == b"x" * 10
+    d = a.detach(w.conn_id)
+    assert d is not None
+    paused = b.adopt(moved(d), paused=True)
+    back = b.detach(paused)  # a takeover given up: the new process lets go of what it never ran
+    assert back is not None and back.bytes_up == 10 and back.dir_state == d.dir_state
+    assert b.stats().active == 0 and b.resume(paused) is False
+    a.adopt(moved(back))
+    w.gw_peer.sendall(b"y")
+    assert w.sb_peer.recv(10) == b"y"
+    w.close()
