@@ -44,6 +44,9 @@ class Kind(enum.IntEnum):
     READY = 3
     RELEASED = 4
     REFUSED = 5
+    TUNNEL = 6
+    ADOPTED = 7
+    COMMIT = 8
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,43 @@ class Offer:
 @dataclass(frozen=True)
 class Ready:
     pid: int
+    tunnels: bool  # it can adopt live kTLS tunnels (its data plane is ktls)
 
 
 @dataclass(frozen=True)
 class Released:
     pid: int
-    open_connections: int  # tunnels the running process keeps until they end
+    open_connections: int  # connections the running process keeps until they end
+    moving: int  # kTLS tunnels it sends next, one TUNNEL each
+
+
+# A kTLS tunnel's pump state (splice_pump.Detached without its descriptors), each key's range.
+PUMP_STATE = {
+    "up_pipe_bytes": (0, MAX_COUNT), "down_pipe_bytes": (0, MAX_COUNT), "flags": (0, 1), "evflags": (0, 15),
+    "close_timeout_ms": (1, (1 << 32) - 1), "close_left_ms": (-1, MAX_COUNT), "dir_state": (0, 15),
+    "bytes_up": (0, (1 << 63) - 1), "bytes_down": (0, (1 << 63) - 1),
+}
+
+
+@dataclass(frozen=True)
+class Tunnel:
+    """One live kTLS tunnel, its six descriptors attached (gateway, sandbox, up pipe read and write
+    ends, down pipe read and write ends)."""
+
+    conn_id: str  # the forwarder's, 16 hex digits: the logs of both processes join on it
+    sandbox_id: str
+    head: int  # tenant bytes delivered before the pump took it (the preamble record's), counted up
+    pump: tuple[tuple[str, int], ...]  # PUMP_STATE's keys in order, with their values
+
+
+@dataclass(frozen=True)
+class Adopted:
+    conn_id: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    count: int  # tunnels handed over; from now on they are the new process's
 
 
 @dataclass(frozen=True)
@@ -75,15 +109,18 @@ class Refused:
     reason: str  # a token: busy, draining, ...
 
 
-Message = Hello | Offer | Ready | Released | Refused
+Message = Hello | Offer | Ready | Released | Refused | Tunnel | Adopted | Commit
 
-_KIND = {Hello: Kind.HELLO, Offer: Kind.OFFER, Ready: Kind.READY, Released: Kind.RELEASED, Refused: Kind.REFUSED}
+_KIND = {Hello: Kind.HELLO, Offer: Kind.OFFER, Ready: Kind.READY, Released: Kind.RELEASED, Refused: Kind.REFUSED,
+         Tunnel: Kind.TUNNEL, Adopted: Kind.ADOPTED, Commit: Kind.COMMIT}
 _TYPE = {kind: cls for cls, kind in _KIND.items()}
 
 
 def push_message(msg: Message) -> bytes:
     """The datagram for ``msg`` (checked as :func:`pull_message` checks it: what we send, we would take)."""
     body: dict[str, Any] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(msg).items()}
+    if isinstance(msg, Tunnel):
+        body["pump"] = dict(msg.pump)
     data = MAGIC + bytes((VERSION, _KIND[type(msg)])) + json.dumps(body, separators=(",", ":")).encode()
     try:
         ok = pull_message(data) == msg
@@ -123,10 +160,38 @@ def pull_message(data: bytes) -> Message:
         return Offer(_int(body, "pid", 1, MAX_PID), _text(body, "listen"), _int(body, "stream", 0, MAX_STREAM),
                      _roles(body))
     if kind is Kind.READY:
-        return Ready(_int(body, "pid", 1, MAX_PID))
+        return Ready(_int(body, "pid", 1, MAX_PID), _bool(body, "tunnels"))
     if kind is Kind.RELEASED:
-        return Released(_int(body, "pid", 1, MAX_PID), _int(body, "open_connections", 0, MAX_COUNT))
+        return Released(_int(body, "pid", 1, MAX_PID), _int(body, "open_connections", 0, MAX_COUNT),
+                        _int(body, "moving", 0, MAX_COUNT))
+    if kind is Kind.TUNNEL:
+        return Tunnel(_conn_id(body), _text(body, "sandbox_id"), _int(body, "head", 0, MAX_COUNT), _pump(body))
+    if kind is Kind.ADOPTED:
+        return Adopted(_conn_id(body))
+    if kind is Kind.COMMIT:
+        return Commit(_int(body, "count", 0, MAX_COUNT))
     return Refused(_text(body, "reason"))
+
+
+def _bool(body: dict[str, Any], key: str) -> bool:
+    v = body[key]
+    if not isinstance(v, bool):
+        raise TakeoverError("bad_field", f"{key}: not true or false")
+    return v
+
+
+def _conn_id(body: dict[str, Any]) -> str:
+    v = body["conn_id"]
+    if not isinstance(v, str) or len(v) != 16 or any(ch not in "0123456789abcdef" for ch in v):
+        raise TakeoverError("bad_field", "conn_id: not 16 lower-case hex digits")
+    return v
+
+
+def _pump(body: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    v = body["pump"]
+    if not isinstance(v, dict) or set(v) != set(PUMP_STATE):
+        raise TakeoverError("bad_field", f"pump: not an object with exactly the keys {sorted(PUMP_STATE)}")
+    return tuple((k, _int(v, k, lo, hi)) for k, (lo, hi) in PUMP_STATE.items())
 
 
 def _no_constant(name: str) -> None:

@@ -16,8 +16,11 @@ from forwarder.ingress.takeover_codec import (
     MAX_COUNT,
     MAX_MESSAGE,
     MAX_PID,
+    PUMP_STATE,
     ROLES,
     VERSION,
+    Adopted,
+    Commit,
     Hello,
     Kind,
     Message,
@@ -26,6 +29,7 @@ from forwarder.ingress.takeover_codec import (
     Refused,
     Released,
     TakeoverError,
+    Tunnel,
     pull_message,
     push_message,
 )
@@ -36,13 +40,21 @@ REASONS = {"short", "too_long", "bad_magic", "bad_version", "bad_kind", "bad_jso
 pids = st.integers(1, MAX_PID)
 texts = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=200)
 roles = st.sampled_from([("tls",), ("tls", "control")])
+conn_ids = st.text("0123456789abcdef", min_size=16, max_size=16)
+pump_states = st.tuples(*(st.tuples(st.just(k), st.integers(lo, hi)) for k, (lo, hi) in PUMP_STATE.items()))
 messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Hello, pids),
     st.builds(Offer, pids, texts, st.integers(0, MAX_STREAM), roles),
-    st.builds(Ready, pids),
-    st.builds(Released, pids, st.integers(0, MAX_COUNT)),
+    st.builds(Ready, pids, st.booleans()),
+    st.builds(Released, pids, st.integers(0, MAX_COUNT), st.integers(0, MAX_COUNT)),
     st.builds(Refused, texts),
+    st.builds(Tunnel, conn_ids, texts, st.integers(0, MAX_COUNT), pump_states),
+    st.builds(Adopted, conn_ids),
+    st.builds(Commit, st.integers(0, MAX_COUNT)),
 )
+PUMP = {"up_pipe_bytes": 5, "down_pipe_bytes": 0, "flags": 1, "evflags": 1, "close_timeout_ms": 30000,
+        "close_left_ms": -1, "dir_state": 0, "bytes_up": 10, "bytes_down": 2}
+CID = "00112233aabbccdd"
 
 
 def raw(kind: int, body: object, *, magic: bytes = MAGIC, version: int = VERSION) -> bytes:
@@ -66,7 +78,25 @@ SEEDS: list[tuple[str, str, bytes]] = [
                                                "fds": ["tls", "control"]})),
     ("ok", "offer-tls-only", raw(Kind.OFFER, {"pid": 7, "listen": "[::]:8443", "stream": MAX_STREAM,
                                                "fds": ["tls"]})),
-    ("ok", "released-zero-open", raw(Kind.RELEASED, {"pid": MAX_PID, "open_connections": 0})),
+    ("ok", "released-zero-open", raw(Kind.RELEASED, {"pid": MAX_PID, "open_connections": 0, "moving": 0})),
+    ("ok", "ready-tunnels", raw(Kind.READY, {"pid": 9, "tunnels": True})),
+    ("ok", "tunnel", raw(Kind.TUNNEL, {"conn_id": CID, "sandbox_id": "sbx-1", "head": 0, "pump": PUMP})),
+    ("ok", "adopted", raw(Kind.ADOPTED, {"conn_id": CID})),
+    ("ok", "commit", raw(Kind.COMMIT, {"count": 3})),
+    ("bad_field", "ready-tunnels-int", raw(Kind.READY, {"pid": 9, "tunnels": 1})),
+    ("bad_field", "tunnel-conn-id-upper", raw(Kind.TUNNEL, {"conn_id": CID.upper(), "sandbox_id": "s", "head": 0,
+                                                             "pump": PUMP})),
+    ("bad_field", "tunnel-conn-id-short", raw(Kind.ADOPTED, {"conn_id": CID[:15]})),
+    ("bad_field", "tunnel-pump-missing-key", raw(Kind.TUNNEL, {"conn_id": CID, "sandbox_id": "s", "head": 0,
+                                                                "pump": {k: v for k, v in PUMP.items() if k != "dir_state"}})),
+    ("bad_field", "tunnel-pump-extra-key", raw(Kind.TUNNEL, {"conn_id": CID, "sandbox_id": "s", "head": 0,
+                                                              "pump": {**PUMP, "x": 1}})),
+    ("bad_field", "tunnel-pump-flags-over", raw(Kind.TUNNEL, {"conn_id": CID, "sandbox_id": "s", "head": 0,
+                                                               "pump": {**PUMP, "flags": 2}})),
+    ("bad_field", "tunnel-pump-left-under", raw(Kind.TUNNEL, {"conn_id": CID, "sandbox_id": "s", "head": 0,
+                                                               "pump": {**PUMP, "close_left_ms": -2}})),
+    ("bad_field", "tunnel-pump-not-object", raw(Kind.TUNNEL, {"conn_id": CID, "sandbox_id": "s", "head": 0,
+                                                               "pump": list(PUMP.values())})),
     ("ok", "refused", raw(Kind.REFUSED, {"reason": "busy"})),
     ("short", "empty", b""),
     ("short", "header-only-less-one", MAGIC + bytes((VERSION,))),
@@ -74,7 +104,7 @@ SEEDS: list[tuple[str, str, bytes]] = [
     ("bad_magic", "http", b"GET / HTTP/1.1\r\n\r\n"),
     ("bad_version", "version-2", raw(Kind.HELLO, {"pid": 1}, version=2)),
     ("bad_kind", "kind-0", raw(0, {"pid": 1})),
-    ("bad_kind", "kind-6", raw(6, {"pid": 1})),
+    ("bad_kind", "kind-9", raw(9, {"pid": 1})),
     ("ok", "at-limit", raw(Kind.REFUSED, {"reason": "x"}).ljust(MAX_MESSAGE)),  # JSON takes trailing spaces
     ("too_long", "one-over", raw(Kind.REFUSED, {"reason": "x"}).ljust(MAX_MESSAGE + 1)),
     ("bad_json", "nan", raw(Kind.HELLO, '{"pid": NaN}')),
@@ -84,10 +114,10 @@ SEEDS: list[tuple[str, str, bytes]] = [
     ("bad_json", "deep-nesting", raw(Kind.HELLO, "[" * 1015 + "]" * 1015)),
     ("bad_field", "pid-bool", raw(Kind.HELLO, {"pid": True})),
     ("bad_field", "pid-zero", raw(Kind.HELLO, {"pid": 0})),
-    ("bad_field", "pid-float", raw(Kind.READY, {"pid": 1.0})),
-    ("bad_field", "pid-over", raw(Kind.READY, {"pid": MAX_PID + 1})),
+    ("bad_field", "pid-float", raw(Kind.READY, {"pid": 1.0, "tunnels": False})),
+    ("bad_field", "pid-over", raw(Kind.READY, {"pid": MAX_PID + 1, "tunnels": False})),
     ("bad_field", "unknown-key", raw(Kind.HELLO, {"pid": 1, "x": 1})),
-    ("bad_field", "missing-key", raw(Kind.RELEASED, {"pid": 1})),
+    ("bad_field", "missing-key", raw(Kind.RELEASED, {"pid": 1, "open_connections": 0})),
     ("bad_field", "duplicate-key-last-wins-then-extra", raw(Kind.HELLO, '{"pid": 1, "pid": 2, "z": 0}')),
     ("bad_field", "stream-over", raw(Kind.OFFER, {"pid": 7, "listen": "a:1", "stream": MAX_STREAM + 1,
                                                    "fds": ["tls"]})),
@@ -100,7 +130,7 @@ SEEDS: list[tuple[str, str, bytes]] = [
                                                            "fds": ["tls"]})),
     ("bad_field", "reason-empty", raw(Kind.REFUSED, {"reason": ""})),
     ("bad_field", "reason-non-ascii", raw(Kind.REFUSED, {"reason": "bus\u00ff"})),
-    ("bad_field", "open-negative", raw(Kind.RELEASED, {"pid": 1, "open_connections": -1})),
+    ("bad_field", "open-negative", raw(Kind.RELEASED, {"pid": 1, "open_connections": -1, "moving": 0})),
 ]
 
 
@@ -140,7 +170,8 @@ def test_any_bytes_parse_or_raise_takeover_error(data: bytes) -> None:
 @given(st.sampled_from(list(Kind)), st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
-        ["pid", "listen", "stream", "fds", "open_connections", "reason", "x"]), inner, max_size=5),
+        ["pid", "listen", "stream", "fds", "open_connections", "reason", "x", "tunnels", "moving", "conn_id",
+         "sandbox_id", "head", "pump", "count", *PUMP_STATE]), inner, max_size=5),
     max_leaves=12,
 ))
 @settings(max_examples=500, deadline=None)
