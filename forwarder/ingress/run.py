@@ -123,7 +123,14 @@ async def _start_ops(settings: ForwarderSettings, server: ForwarderServer) -> Op
 
 async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, stream: int, taken: Taken | None) -> int:
     from forwarder.ingress.server import ForwarderServer
-    from forwarder.ingress.takeover import ControlServer, TakeoverFailed, announce_ready, bind_control, wait_released
+    from forwarder.ingress.takeover import (
+        ControlServer,
+        TakeoverFailed,
+        TunnelMover,
+        announce_ready,
+        bind_control,
+        finish_takeover,
+    )
     from forwarder.ingress.takeover_codec import Offer
     from sbxnet.listen import ListenError
     from sbxnet.protocol.feed import MAX_STREAM
@@ -155,11 +162,13 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
     if taken is not None:
         # No await since the accept loop was made: it has not accepted yet, so a process killed before
         # this line took no connection, and the running one (still accepting) never stopped.
-        announce_ready(taken)
-        released = await asyncio.to_thread(wait_released, taken, settings.takeover_timeout)
+        ktls_plane = server.plane.name == "ktls"
+        announce_ready(taken, tunnels=ktls_plane)
+        released = await finish_takeover(taken, settings.takeover_timeout, server if ktls_plane else None)
         log.info("took over the listener", extra={"event": "takeover_done", "fields": {
             "from_pid": taken.offer.pid, "stream": taken.offer.stream,
             "old_kept_connections": released.open_connections if released else None,
+            "tunnels_moved": released.moving if released else 0,
             "released": released is not None}})
         stream = taken.offer.stream
         control_sock = taken.control
@@ -186,7 +195,16 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
                 ops_server = None
             return kept
 
-        control = ControlServer(control_sock, offer=offer, release=release, timeout=settings.takeover_timeout)
+        # The ktls plane moves its live tunnels to a new process that can adopt them (their TLS state is
+        # in the kernel); userspace tunnels stay here until they end.
+        mover: TunnelMover | None = None
+        if server.plane.name == "ktls":
+            from forwarder.ingress.planes.ktls import KtlsPlane
+
+            assert isinstance(server.plane, KtlsPlane)
+            mover = server.plane
+        control = ControlServer(control_sock, offer=offer, release=release, timeout=settings.takeover_timeout,
+                                mover=mover)
         control.start()
         log.info("takeover control socket up", extra={"event": "takeover_listening",
                                                        "fields": {"path": str(settings.takeover_socket)}})

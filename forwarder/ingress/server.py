@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import socket
+import time
+from typing import TYPE_CHECKING
 
 from certs.loader import Reloadable
 from forwarder.ingress.host_addrs import IPAddress, host_addresses
-from forwarder.ingress.metering import Meter
+from forwarder.ingress.metering import ConnMeter, Meter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import DataPlane, Outcome, abort
 from forwarder.ingress.planes.memory import trim_heap
@@ -25,6 +28,10 @@ from forwarder.ingress.target_guard import TargetPolicy
 from forwarder.ingress.tls_context import server_context
 from sbxnet.accept import Acceptor
 from sbxnet.listen import bind_listener
+
+if TYPE_CHECKING:
+    from forwarder.ingress.planes.ktls import KtlsPlane
+    from forwarder.ingress.takeover_codec import Tunnel
 
 log = logging.getLogger("sbxnet.forwarder")
 HOST_ADDRESS_REFRESH_S = 10
@@ -77,6 +84,7 @@ class ForwarderServer:
         self._acceptor = Acceptor(self._serve, max_connections=settings.max_connections, log=log)
         self._flush_task: asyncio.Task[None] | None = None
         self._draining = False
+        self._adopted: set[asyncio.Task[None]] = set()  # kTLS tunnels taken over from the previous process
         self._flushed = (0, 0)
         self._ended = 0  # connections ended since start
         self._ended_at_trim = 0
@@ -101,7 +109,7 @@ class ForwarderServer:
 
     @property
     def open_connections(self) -> int:
-        return self._acceptor.open_connections
+        return self._acceptor.open_connections + len(self._adopted)
 
     async def start(self, listener: socket.socket | None = None) -> None:
         s = self.settings
@@ -160,6 +168,62 @@ class ForwarderServer:
         """Until every live connection has ended by itself (after :meth:`release`: a takeover's old process
         keeps its userspace tunnels, whose TLS state is in its memory, until they end)."""
         await self._acceptor.drain(None)
+        if self._adopted:
+            await asyncio.wait(set(self._adopted))
+
+    # -- kTLS tunnels adopted from the process this one took over from (takeover.py) ------------------
+
+    def adopt_tunnel(self, tunnel: Tunnel, fds: list[int]) -> None:
+        """Take one live kTLS tunnel, paused until :meth:`resume_adopted`: its meter counts what moves
+        here from then on, and its end is counted and logged here under its own conn_id. OSError (the
+        descriptors stay the caller's) if the plane cannot take it."""
+        from forwarder.ingress.planes.ktls import KtlsPlane
+        from forwarder.ingress.planes.splice_pump import Detached
+
+        if not isinstance(self.plane, KtlsPlane):
+            raise OSError(errno.EINVAL, f"the {self.plane.name} plane adopts no kTLS tunnel")
+        d = Detached(*fds, **dict(tunnel.pump))
+        meter = self.meter.open(tunnel.sandbox_id, tunnel.conn_id, time.monotonic())
+        try:
+            conn_id = self.plane.adopt(d, meter)
+        except OSError:
+            self.meter.close(meter)
+            raise
+        task = asyncio.create_task(self._serve_adopted(self.plane, conn_id, meter, tunnel))
+        self._adopted.add(task)
+        task.add_done_callback(self._adopted.discard)
+
+    def resume_adopted(self) -> int:
+        from forwarder.ingress.planes.ktls import KtlsPlane
+
+        return self.plane.resume_adopted() if isinstance(self.plane, KtlsPlane) else 0
+
+    def drop_adopted(self) -> int:
+        from forwarder.ingress.planes.ktls import KtlsPlane
+
+        return self.plane.drop_adopted() if isinstance(self.plane, KtlsPlane) else 0
+
+    async def _serve_adopted(self, plane: KtlsPlane, conn_id: int, meter: ConnMeter, tunnel: Tunnel) -> None:
+        ctx = {"conn_id": tunnel.conn_id, "sandbox_id": tunnel.sandbox_id}
+        started = time.monotonic()
+        self.metrics.open_connections.inc()
+        outcome = Outcome.INTERNAL
+        try:
+            outcome = await plane.until_end(conn_id)
+        except asyncio.CancelledError:
+            outcome = Outcome.DRAINED
+            raise
+        except Exception:
+            log.exception("internal error", extra={**ctx, "event": "internal"})
+        finally:
+            self.metrics.open_connections.dec()
+            self.meter.close(meter)
+            self._ended += 1
+            if outcome is not Outcome.MOVED:  # moved: dropped before it ever ran here
+                self.metrics.connections.labels(outcome.value).inc()
+                log.info("closed", extra={**ctx, "event": "closed", "fields": {
+                    "outcome": outcome.value, "adopted": True, "bytes_up": meter.up, "bytes_down": meter.down,
+                    "seconds": round(time.monotonic() - started, 3)}})
 
     async def drain(self, timeout: float | None = None) -> int:
         """Stop accepting, let live connections finish up to ``timeout``, then cut the rest.
@@ -172,6 +236,12 @@ class ForwarderServer:
             extra={"event": "draining", "fields": {"open": self._acceptor.open_connections, "timeout": timeout}},
         )
         cut = await self._acceptor.drain(timeout)
+        if self._adopted:
+            _, pending = await asyncio.wait(set(self._adopted), timeout=timeout)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            cut += len(pending)
         if self._flush_task:
             self._flush_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

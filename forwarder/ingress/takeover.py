@@ -29,16 +29,24 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from forwarder.ingress.planes.ktls import MovingTunnel
 
 from forwarder.ingress.takeover_codec import (
     MAX_MESSAGE,
+    PUMP_STATE,
     ROLES,
+    Adopted,
+    Commit,
     Hello,
     Offer,
     Ready,
     Refused,
     Released,
     TakeoverError,
+    Tunnel,
     pull_message,
     push_message,
 )
@@ -105,6 +113,26 @@ def bind_control(path: Path) -> socket.socket:
 OfferFn = Callable[[], "tuple[Offer, list[int]] | str"]
 
 
+class TunnelMover(Protocol):
+    """What moves live kTLS tunnels out of the running process (the ktls plane)."""
+
+    def detach_all(self) -> list[MovingTunnel]: ...
+
+    def commit_moved(self) -> int: ...
+
+    def give_back(self) -> int: ...
+
+
+class TunnelReceiver(Protocol):
+    """What takes them in the new process (the server, over its ktls plane)."""
+
+    def adopt_tunnel(self, tunnel: Tunnel, fds: list[int]) -> None: ...
+
+    def resume_adopted(self) -> int: ...
+
+    def drop_adopted(self) -> int: ...
+
+
 class ControlServer:
     """Serves the control socket: one takeover at a time, each step within ``timeout``.
 
@@ -114,8 +142,9 @@ class ControlServer:
     """
 
     def __init__(self, listener: socket.socket, *, offer: OfferFn, release: Callable[[], Awaitable[int]],
-                 timeout: float) -> None:
+                 timeout: float, mover: TunnelMover | None = None) -> None:
         self.listener = listener
+        self._mover = mover
         self._offer = offer
         self._release = release
         self._timeout = timeout
@@ -214,9 +243,40 @@ class ControlServer:
         # From here on control connections are the new process's: it serves the same listener.
         await self._stop_accepting()
         kept = await self._release()
+        mover = self._mover if ready.tunnels else None
+        moving = mover.detach_all() if mover is not None else []
         with contextlib.suppress(OSError):
-            conn.send(push_message(Released(os.getpid(), kept)))
-        log.info("taken over", extra={"event": "taken_over", "fields": {"by_pid": pid, "kept_connections": kept}})
+            conn.send(push_message(Released(os.getpid(), kept - len(moving), len(moving))))
+        log.info("taken over", extra={"event": "taken_over", "fields": {
+            "by_pid": pid, "kept_connections": kept - len(moving), "moving": len(moving)}})
+        if not moving:
+            return
+        assert mover is not None
+        try:
+            await self._move(loop, conn, moving)
+        except (OSError, TimeoutError, TakeoverError) as e:
+            conn.close()  # the new process sees the end before these run here again, and lets go of them
+            back = mover.give_back()
+            self.failures += 1
+            log.warning("moving the tunnels failed; kept here", extra={
+                "event": "takeover_failed", "reason": "tunnels_given_back",
+                "fields": {"error": str(e) or type(e).__name__, "given_back": back}})
+            return
+        moved = mover.commit_moved()
+        log.info("tunnels moved", extra={"event": "tunnels_moved", "fields": {"moved": moved, "to_pid": pid}})
+
+    async def _move(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, moving: list[MovingTunnel]) -> None:
+        """One TUNNEL (its six descriptors attached) and its ADOPTED at a time, then COMMIT: the point
+        after which the tunnels are the new process's."""
+        for t in moving:
+            state = tuple((key, int(getattr(t.detached, key))) for key in PUMP_STATE)
+            data = push_message(Tunnel(t.conn_id, t.sandbox_id, t.head, state))
+            async with asyncio.timeout(self._timeout):
+                await _send_fds(loop, conn, data, t.detached.fds)
+                answer = pull_message(await loop.sock_recv(conn, MAX_MESSAGE + 1))
+            if not isinstance(answer, Adopted) or answer.conn_id != t.conn_id:
+                raise TakeoverError("bad_field", f"expected ADOPTED {t.conn_id}, got {answer!r}")
+        conn.send(push_message(Commit(len(moving))))
 
 
 # -- the new process's side ---------------------------------------------------------------------------
@@ -292,20 +352,105 @@ def _check_listener(sock: socket.socket, host: ipaddress.IPv4Address | ipaddress
         )
 
 
-def announce_ready(taken: Taken) -> None:
-    """READY: this process accepts on the listener. Sent right after the accept loop starts and before
-    it first runs, so a process killed before this accepted nothing."""
-    taken.conn.send(push_message(Ready(os.getpid())))
+def announce_ready(taken: Taken, *, tunnels: bool) -> None:
+    """READY: this process accepts on the listener (and, with ``tunnels``, can adopt live kTLS tunnels).
+    Sent right after the accept loop starts and before it first runs, so a process killed before this
+    accepted nothing."""
+    taken.conn.send(push_message(Ready(os.getpid(), tunnels)))
 
 
-def wait_released(taken: Taken, timeout: float) -> Released | None:
-    """Blocking (run it in a thread: this process serves meanwhile): the running one's RELEASED, or None
-    if it ended or went silent first (it released or died; either way the listener is served here)."""
-    taken.conn.settimeout(timeout)
+async def finish_takeover(taken: Taken, timeout: float, receiver: TunnelReceiver | None) -> Released | None:
+    """After READY (this process serves meanwhile): the running one's RELEASED, then the kTLS tunnels it
+    moves, each adopted paused and acknowledged, started at its COMMIT. None if it ended or went silent
+    before RELEASED (it released or died; either way the listener is served here). If it ends before
+    COMMIT, the tunnels adopted so far are dropped while it lives (it gives them back to itself) and
+    started if it is gone (nobody else can serve them)."""
+    loop = asyncio.get_running_loop()
+    conn = taken.conn
+    conn.setblocking(False)
+    released: Released | None = None
     try:
-        msg = pull_message(taken.conn.recv(MAX_MESSAGE + 1))
-    except (OSError, TakeoverError):
-        return None
+        async with asyncio.timeout(timeout):
+            msg = pull_message((await _recv_fds(loop, conn, 0))[0])
+        released = msg if isinstance(msg, Released) else None
+        if released is None or not released.moving:
+            return released
+        if receiver is None:
+            raise TakeoverError("bad_field", "tunnels sent to a process that said it cannot adopt them")
+        for _ in range(released.moving):
+            async with asyncio.timeout(timeout):
+                data, fds, flags = await _recv_fds(loop, conn, 6)
+            try:
+                tunnel = pull_message(data)
+                if not isinstance(tunnel, Tunnel) or flags & socket.MSG_CTRUNC or len(fds) != 6:
+                    raise TakeoverError("bad_field", "a TUNNEL without its six descriptors")
+                receiver.adopt_tunnel(tunnel, fds)
+            except BaseException:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                raise
+            conn.send(push_message(Adopted(tunnel.conn_id)))
+        async with asyncio.timeout(timeout):
+            commit = pull_message((await _recv_fds(loop, conn, 0))[0])
+        if not isinstance(commit, Commit) or commit.count != released.moving:
+            raise TakeoverError("bad_field", f"expected COMMIT {released.moving}, got {commit!r}")
+        started = receiver.resume_adopted()
+        log.info("tunnels adopted", extra={"event": "tunnels_adopted", "fields": {"started": started}})
+        return released
+    except (OSError, TimeoutError, TakeoverError) as e:
+        if receiver is not None:
+            if _alive(taken.offer.pid):
+                n, what = receiver.drop_adopted(), "dropped"
+            else:
+                n, what = receiver.resume_adopted(), "started"
+            log.warning(f"takeover ended before its commit; adopted tunnels {what}", extra={
+                "event": "takeover_incomplete", "reason": type(e).__name__, "fields": {what: n}})
+        return released
     finally:
-        taken.conn.close()
-    return msg if isinstance(msg, Released) else None
+        conn.close()
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, maxfds: int) -> tuple[bytes, list[int], int]:
+    """One datagram and the descriptors on it, from a non-blocking socket."""
+    while True:
+        try:
+            data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE + 1, maxfds)
+            return data, fds, flags
+        except (BlockingIOError, InterruptedError):
+            await _ready(loop, sock, write=False)
+
+
+async def _send_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    while True:
+        try:
+            socket.send_fds(sock, [data], fds)
+            return
+        except (BlockingIOError, InterruptedError):
+            await _ready(loop, sock, write=True)
+
+
+async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write: bool) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, _wake, fut)
+    try:
+        await fut
+    finally:
+        remove(fd)

@@ -378,10 +378,10 @@ try:
     c.connect(sys.argv[1])
 except PermissionError:
     print("eacces"); sys.exit(0)
-c.send(bytes.fromhex(sys.argv[2]))
 try:
+    c.send(bytes.fromhex(sys.argv[2]))
     data = c.recv(4096)
-except ConnectionResetError:  # closed with our HELLO unread
+except (BrokenPipeError, ConnectionResetError):  # closed before our HELLO, or with it unread
     data = b""
 print("answered" if data else "closed")
 """

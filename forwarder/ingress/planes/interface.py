@@ -33,6 +33,7 @@ class Outcome(enum.StrEnum):
     CLOSE_TIMEOUT = "close_timeout"  # one side ended, the other did not within close_timeout
     TLS_ERROR = "tls_error"  # a record failed to decrypt, or a TLS message we refuse (KeyUpdate)
     DRAINED = "drained"  # still open when the drain deadline passed
+    MOVED = "moved"  # a kTLS tunnel handed to the process that took over (takeover.py): it ends there
     INTERNAL = "internal"
 
 

@@ -24,6 +24,7 @@ import socket
 import ssl
 import struct
 import time
+from dataclasses import dataclass
 
 from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
@@ -33,6 +34,7 @@ from forwarder.ingress.planes.splice_pump import (
     DEFAULT_PIPE_SIZE,
     EV_GW_CLOSE_NOTIFY,
     EV_GW_FIN,
+    Detached,
     PipeTooSmall,
     PumpEvent,
     PumpOutcome,
@@ -52,6 +54,24 @@ _OUTCOMES = {
     PumpOutcome.ABORTED: Outcome.DRAINED,
     PumpOutcome.INTERNAL: Outcome.INTERNAL,
 }
+
+
+@dataclass(eq=False)
+class _Waiting:
+    end: asyncio.Future[PumpEvent | None]  # the pump's event; None: moved to another process, or dropped
+    meter: ConnMeter
+    up_base: int  # added to the pump's counters for the meter
+    down_base: int
+
+
+@dataclass(frozen=True)
+class MovingTunnel:
+    """A tunnel detached for the process taking over: who it is, and its pump state and descriptors."""
+
+    conn_id: str
+    sandbox_id: str
+    head: int
+    detached: Detached
 
 
 class KtlsUnavailable(ktls.KtlsError, EnvironmentFault):
@@ -92,7 +112,14 @@ class KtlsPlane:
         self._max_conns = max_conns
         self._pump: SplicePump | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiting: dict[int, tuple[asyncio.Future[PumpEvent], ConnMeter, int]] = {}
+        # Per pump connection: its end, its meter, and what to add to the pump's counters for the meter
+        # (the preamble record's tenant bytes up; for an adopted tunnel minus what moved before, so its
+        # meter counts only what moved here).
+        self._waiting: dict[int, _Waiting] = {}
+        # Takeover: tunnels detached for the new process, until it commits or fails (old process), and
+        # tunnels adopted paused until the old one commits (new process).
+        self._moving: list[tuple[_Waiting, Detached]] = []
+        self._paused: list[int] = []
         self._refresh: asyncio.Task[None] | None = None
         # Why connections ended, by the pump's reason token (tls_key_update, tls_decrypt_error, ...),
         # and refusals before the hand-over (install failures), by KtlsError reason.
@@ -133,8 +160,8 @@ class KtlsPlane:
         assert self._pump is not None
         for ev in self._pump.take_events():
             entry = self._waiting.pop(ev.conn_id, None)
-            if entry and not entry[0].done():
-                entry[0].set_result(ev)
+            if entry and not entry.end.done():
+                entry.end.set_result(ev)
 
     async def _refresh_meters(self) -> None:
         while True:
@@ -143,11 +170,11 @@ class KtlsPlane:
             if pump is None:
                 return
             now = time.monotonic()
-            for conn_id, (_, meter, head) in list(self._waiting.items()):
+            for conn_id, w in list(self._waiting.items()):
                 c = pump.counters(conn_id)
-                if c is not None and (head + c[0], c[1]) != (meter.up, meter.down):
-                    meter.up, meter.down = head + c[0], c[1]
-                    meter.last_activity = now
+                if c is not None and (w.up_base + c[0], w.down_base + c[1]) != (w.meter.up, w.meter.down):
+                    w.meter.up, w.meter.down = w.up_base + c[0], w.down_base + c[1]
+                    w.meter.last_activity = now
 
     async def close(self) -> None:
         """Stop the pump (connections still in it are reset). For tests and shutdown."""
@@ -160,6 +187,98 @@ class KtlsPlane:
                 self._loop.remove_reader(self._pump.event_fd)
             self._pump.close()
             self._pump = None
+
+    # -- takeover: live tunnels to the new process (takeover.py; docs/forwarder.md) ---------------------
+
+    def detach_all(self) -> list[MovingTunnel]:
+        """Old process, after the listener's release: take every live tunnel out of the pump (nothing moves
+        on them from now on) for the new process. Their ``run`` goes on waiting until :meth:`commit_moved`
+        or :meth:`give_back`. A tunnel that ended first is not among them (it ends here as usual)."""
+        pump = self._pump
+        out: list[MovingTunnel] = []
+        if pump is None:
+            return out
+        for conn_id, w in list(self._waiting.items()):
+            d = pump.detach(conn_id)
+            if d is None:
+                continue
+            del self._waiting[conn_id]
+            self._moving.append((w, d))
+            out.append(MovingTunnel(w.meter.conn_id, w.meter.sandbox_id, w.up_base, d))
+        return out
+
+    def commit_moved(self) -> int:
+        """The new process has them all: each meter closes with what moved here (its last feed report
+        covers exactly that), each ``run`` returns ``moved``, and this process's copies of the descriptors
+        are closed (the new one's keep the sockets and pipes open: nothing is sent)."""
+        moved, self._moving = self._moving, []
+        now = time.monotonic()
+        for w, d in moved:
+            w.meter.up, w.meter.down = w.up_base + d.bytes_up, w.down_base + d.bytes_down
+            w.meter.last_activity = now
+            d.close()
+            if not w.end.done():
+                w.end.set_result(None)
+        return len(moved)
+
+    def give_back(self) -> int:
+        """The takeover failed before its commit: adopt every detached tunnel back into this pump, where
+        it goes on as it was. Returns how many came back (one that cannot is reset)."""
+        moving, self._moving = self._moving, []
+        pump = self._pump
+        back = 0
+        for w, d in moving:
+            try:
+                assert pump is not None
+                self._waiting[pump.adopt(d)] = w
+                back += 1
+            except (OSError, AssertionError):
+                _close_fd(d.gw_fd, reset=True)
+                _close_fd(d.sb_fd, reset=True)
+                for fd in d.fds[2:]:
+                    _close_fd(fd, reset=False)
+                if not w.end.done():
+                    w.end.set_exception(OSError("tunnel lost on a failed takeover"))
+        return back
+
+    def adopt(self, d: Detached, meter: ConnMeter) -> int:
+        """New process: take a tunnel the old one detached, paused until :meth:`resume_adopted`; returns
+        its id for :meth:`until_end`. Its meter counts only what moves here. OSError (the descriptors stay
+        the caller's) if the pump cannot take it."""
+        pump = self._ensure_pump()
+        conn_id = pump.adopt(d, paused=True)
+        self._waiting[conn_id] = _Waiting(asyncio.get_running_loop().create_future(), meter, -d.bytes_up,
+                                          -d.bytes_down)
+        self._paused.append(conn_id)
+        return conn_id
+
+    async def until_end(self, conn_id: int) -> Outcome:
+        """An adopted tunnel's end, as ``run`` returns it for an accepted one (``moved``: dropped unstarted)."""
+        w = self._waiting.get(conn_id)
+        if w is None or self._pump is None:
+            return Outcome.MOVED
+        return await self._until_end(self._pump, conn_id, w)
+
+    def resume_adopted(self) -> int:
+        """The old process committed: start every tunnel adopted paused."""
+        paused, self._paused = self._paused, []
+        assert self._pump is not None or not paused
+        return sum(1 for conn_id in paused if self._pump is not None and self._pump.resume(conn_id))
+
+    def drop_adopted(self) -> int:
+        """The old process gave up before its commit (it keeps the tunnels): let go of the paused ones,
+        closing only this process's copies of their descriptors, never a byte sent."""
+        paused, self._paused = self._paused, []
+        dropped = 0
+        for conn_id in paused:
+            w = self._waiting.pop(conn_id, None)
+            d = self._pump.detach(conn_id) if self._pump is not None else None
+            if d is not None:
+                d.close()
+                dropped += 1
+            if w is not None and not w.end.done():
+                w.end.set_result(None)
+        return dropped
 
     async def run(self, h: Handoff) -> Outcome:
         loop = asyncio.get_running_loop()
@@ -215,21 +334,28 @@ class KtlsPlane:
             _close_fd(gw_fd, reset=True)
             _close_fd(sb_fd, reset=True)
             return Outcome.INTERNAL
-        fut: asyncio.Future[PumpEvent] = loop.create_future()
-        self._waiting[conn_id] = (fut, h.meter, head)
+        waiting = _Waiting(loop.create_future(), h.meter, head, 0)
+        self._waiting[conn_id] = waiting
+        return await self._until_end(pump, conn_id, waiting)
+
+    async def _until_end(self, pump: SplicePump, conn_id: int, w: _Waiting) -> Outcome:
         try:
-            ev = await fut
+            ev = await w.end
         except asyncio.CancelledError:
+            # The tunnel may have been given back (a failed takeover) under another id: abort that one.
+            conn_id = next((i for i, x in self._waiting.items() if x is w), conn_id)
             self._waiting.pop(conn_id, None)
             if self._pump is pump:  # not already closed (which reset everything it held)
                 c = pump.counters(conn_id)
                 if c is not None:
-                    h.meter.up, h.meter.down = head + c[0], c[1]
+                    w.meter.up, w.meter.down = w.up_base + c[0], w.down_base + c[1]
                 pump.abort(conn_id, reset=True)
             raise
-        h.meter.up = head + ev.bytes_up
-        h.meter.down = ev.bytes_down
-        h.meter.last_activity = time.monotonic()
+        if ev is None:
+            return Outcome.MOVED  # handed over (old process), or dropped unstarted (new process)
+        w.meter.up = w.up_base + ev.bytes_up
+        w.meter.down = w.down_base + ev.bytes_down
+        w.meter.last_activity = time.monotonic()
         self.ends[ev.reason] += 1
         if self._metrics:
             self._metrics.plane_ends.labels(self.name, ev.reason).inc()

@@ -1,0 +1,155 @@
+"""A takeover that moves live kTLS tunnels (issue 11 point 4): real ``sbxnet forwarder`` children on the
+ktls plane. The new process gets the listener and every tunnel in the old one's pump (descriptors,
+pipes with their bytes, counters), the old one exits, and the tunnels go on streaming in the new one:
+nothing refused, cut, lost or sent twice, and each tunnel's bytes counted once across the two processes.
+A new process that dies before the commit leaves the tunnels with the old one, which goes on serving
+them. Needs CONFIG_TLS: scripts/ktls-tests.sh runs these inside a Debian kernel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ingress: fwd_support, the process tests
+import test_fwd_takeover as tk
+from fwd_support import Pki, SandboxApp, make_pki
+from test_fwd_process import Proc, procs, write_config
+
+pytestmark = pytest.mark.ktls
+TUNNELS = int(os.environ.get("KTLS_TAKEOVER_TUNNELS", "50"))
+__all__ = ["procs"]  # the fixture, shared with test_fwd_process
+
+
+@pytest.fixture(scope="module")
+def kpki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("kpki-takeover"))
+
+
+def ktls_config(path: Path, pki: Pki, control: Path) -> Path:
+    cfg = write_config(path, pki, takeover_socket=f'"{control}"', connect_deadline=30, connect_syn_interval=1,
+                       takeover_timeout=120)
+    cfg.write_text(cfg.read_text().replace('data_plane = "userspace"', 'data_plane = "ktls"'))
+    return cfg
+
+
+def by_conn(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {str(r["conn_id"]): r for r in records}
+
+
+def test_tunnels_move_to_the_new_process_and_the_old_one_exits(tmp_path: Path, kpki: Pki, procs: list[Proc]) -> None:
+    tk.echo_digests.clear()
+    control = tmp_path / "control.sock"
+    cfg = ktls_config(tmp_path / "f.toml", kpki, control)
+    old = Proc(cfg)
+    procs.append(old)
+    old.wait_listening(timeout=60)
+    old.wait_for("takeover_listening", timeout=60)
+    app = SandboxApp(tk.echo)
+    tunnels = [tk.Tunnel(old.port, kpki, app.port, seed) for seed in range(TUNNELS)]
+    for t in tunnels:
+        t.start()
+    arrivals = tk.Arrivals(old.port, kpki, app.port)
+    arrivals.start()
+    time.sleep(2.0)
+
+    new = Proc(cfg, "--takeover", str(control))
+    procs.append(new)
+    (done,) = new.wait_for("takeover_done", timeout=180)
+    moved = done["tunnels_moved"]
+    assert isinstance(moved, int) and moved >= TUNNELS
+    new.wait_for("tunnels_adopted", timeout=60)
+    (went,) = old.wait_for("tunnels_moved", timeout=60)
+    assert went["moved"] == moved
+    old.wait_exit(120)  # its tunnels are gone: nothing keeps it
+    assert old.p.returncode == 0, old.err
+    time.sleep(2.0)  # the tunnels stream on in the new process alone
+    arrivals.finish()
+    for t in tunnels:
+        t.finish.set()
+    for t in tunnels:
+        t.join(300)
+        assert not t.is_alive() and t.error is None, t.error
+        assert t.sent.digest() == t.back.digest()
+    app.join(120, connections=TUNNELS + arrivals.started)
+    assert arrivals.failures == [], arrivals.failures[:5]
+    assert arrivals.ok == arrivals.started
+    long_digests = sorted((t.sent.digest(), t.n) for t in tunnels)
+    assert sorted(d for d in tk.echo_digests if d in set(long_digests)) == long_digests
+
+    # Each long tunnel: "moved" in the old process with the bytes up to the move, "closed" in the new one
+    # (adopted) with the rest; together its bytes exactly, each counted once.
+    old_moved = by_conn([e for e in old.events("closed") if e["outcome"] == "moved"])
+    new_adopted = by_conn([e for e in new.events("closed") if e.get("adopted")])
+    assert set(old_moved) == set(new_adopted) and len(old_moved) == moved
+    long_ids = {f"sbx-long-{i}" for i in range(TUNNELS)}
+    per_sandbox = {str(e["sandbox_id"]): int(e["bytes_up"]) + int(new_adopted[c]["bytes_up"])
+                   for c, e in old_moved.items()}
+    for t in tunnels:
+        assert per_sandbox[f"sbx-long-{t.seed}"] == t.n
+    assert all(new_adopted[c]["outcome"] == "closed" for c in old_moved if old_moved[c]["sandbox_id"] in long_ids)
+    (old_stop,) = old.events("stopped")
+    new.stop()
+    (new_stop,) = new.events("stopped")
+    total = sum(t.n for t in tunnels) + arrivals.bytes
+    assert int(old_stop["bytes_up"]) + int(new_stop["bytes_up"]) == total
+
+
+# A new process that takes the offer, says READY (able to adopt), receives the first tunnel and is killed
+# before it adopts it: the old one must take every tunnel back.
+HALF_WAY = r"""
+import os, socket, sys, time
+sys.path.insert(0, sys.argv[2])
+from forwarder.ingress.takeover_codec import MAX_MESSAGE, Hello, Ready, push_message
+c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+c.connect(sys.argv[1])
+c.send(push_message(Hello(os.getpid())))
+socket.recv_fds(c, MAX_MESSAGE + 1, 4)
+c.send(push_message(Ready(os.getpid(), True)))
+released = c.recv(MAX_MESSAGE + 1)
+socket.recv_fds(c, MAX_MESSAGE + 1, 6)
+print("got a tunnel", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_new_process_killed_before_the_commit_leaves_the_tunnels_with_the_old_one(
+    tmp_path: Path, kpki: Pki, procs: list[Proc]
+) -> None:
+    tk.echo_digests.clear()
+    control = tmp_path / "control.sock"
+    old = Proc(ktls_config(tmp_path / "f.toml", kpki, control))
+    procs.append(old)
+    old.wait_listening(timeout=60)
+    old.wait_for("takeover_listening", timeout=60)
+    app = SandboxApp(tk.echo)
+    tunnels = [tk.Tunnel(old.port, kpki, app.port, seed) for seed in range(10)]
+    for t in tunnels:
+        t.start()
+    time.sleep(1.0)
+    root = Path(__file__).resolve().parents[3]
+    half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(control), str(root)], stdout=subprocess.PIPE)
+    assert half.stdout is not None
+    assert half.stdout.readline().strip() == b"got a tunnel"
+    half.send_signal(signal.SIGKILL)
+    half.wait(30)
+    (failed,) = old.wait_for("takeover_failed", timeout=120)
+    assert failed["reason"] == "tunnels_given_back" and failed["given_back"] >= 10
+    time.sleep(1.0)  # they stream on in the old process
+    for t in tunnels:
+        t.finish.set()
+    for t in tunnels:
+        t.join(300)
+        assert not t.is_alive() and t.error is None, t.error
+        assert t.sent.digest() == t.back.digest()
+    old.wait_exit(120)  # released (to the dead one) and its tunnels ended: it exits
+    assert old.p.returncode == 0, old.err
+    closed = [e for e in old.events("closed") if str(e["sandbox_id"]).startswith("sbx-long-")]
+    assert sorted(int(e["bytes_up"]) for e in closed) == sorted(t.n for t in tunnels)
+    assert all(e["outcome"] == "closed" for e in closed)
