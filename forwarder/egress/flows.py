@@ -153,7 +153,7 @@ class FlowTable:
     and raises ``FlowRefused`` (reasons in the module docstring) otherwise. ``refusals`` counts them.
     """
 
-    __slots__ = ("_flows", "_rate", "cap", "guard", "idle_timeout", "judge", "refusals")
+    __slots__ = ("_flows", "_rate", "cap", "guard", "idle_timeout", "judge", "opened", "refusals")
 
     def __init__(
         self,
@@ -175,6 +175,7 @@ class FlowTable:
         self._rate = TokenBucket(new_flow_rate, new_flow_burst or new_flow_rate, now)
         self._flows: OrderedDict[FlowKey, float] = OrderedDict()
         self.refusals: Counter[str] = Counter()
+        self.opened = 0  # first packets admitted
 
     def __len__(self) -> int:
         return len(self._flows)
@@ -204,6 +205,7 @@ class FlowTable:
             self.refusals[exc.reason] += 1
             raise
         flows[key] = now
+        self.opened += 1
         return True
 
     def _judge_first(self, key: FlowKey, now: float) -> None:

@@ -399,7 +399,8 @@ def test_the_claims_cli_over_a_running_daemon(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SBXNET_")}
     env.update(PYTHONPATH=str(root), SBXNET_EGRESS_EXITS=f"a={EXIT_A}@{GW_MAC.hex(':')}",
                SBXNET_EGRESS_LISTEN="127.0.0.1", SBXNET_EGRESS_PORT=str(_free_port()),
-               SBXNET_EGRESS_STATE_DIR=str(tmp_path), SBXNET_EGRESS_CONTROL_SOCKET=str(tmp_path / "ctl.sock"))
+               SBXNET_EGRESS_STATE_DIR=str(tmp_path), SBXNET_EGRESS_CONTROL_SOCKET=str(tmp_path / "ctl.sock"),
+               SBXNET_EGRESS_METRICS_PORT="0")
     daemon = subprocess.Popen([sys.executable, "-m", "sbxnet.app.cli", "egress"], env=env, cwd=root, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

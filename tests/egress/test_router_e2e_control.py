@@ -51,7 +51,7 @@ def _daemon(n: Net, name: str, listen: str, **env: str) -> tuple[subprocess.Pope
     p = n.ns_python(n.host, "-m", "sbxnet.app.cli", "egress", env={
         "SBXNET_EGRESS_EXITS": f"a={EXIT_IP}@{vx_mac}", "SBXNET_EGRESS_VNI": str(VNI),
         "SBXNET_EGRESS_LISTEN": listen, "SBXNET_EGRESS_STATE_DIR": str(d), "SBXNET_EGRESS_CONTROL_SOCKET": str(ctl),
-        "SBXNET_EGRESS_ADDRESS_POOL": "100.64.1.0/24", **env})
+        "SBXNET_EGRESS_ADDRESS_POOL": "100.64.1.0/24", "SBXNET_EGRESS_METRICS_PORT": "0", **env})
     deadline = time.monotonic() + 20
     while not ctl.exists():
         assert p.poll() is None, p.stderr.read() if p.stderr else ""

@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forwarder.egress.arp import gratuitous_arp
 from forwarder.egress.guard import AddressGuard
@@ -42,6 +42,9 @@ from forwarder.egress.router.settings import EgressSettings
 from forwarder.egress.router.vxlan_socket import VxlanSocket
 from forwarder.egress.vnet import TUN_F_CSUM, TUN_F_TSO4
 from forwarder.egress.vxlan import push_vxlan
+
+if TYPE_CHECKING:
+    from sbxnet.ops_http import OpsServer
 
 log = logging.getLogger("sbxnet.egress")
 
@@ -69,6 +72,7 @@ class Router:
         self._saved_at = 0.0
         self._stopped = False
         self._restored = False
+        self.ready = False  # every claim restored and armed; /readyz
         self.paths: dict[str, ClaimPath] = {}
         self.by_addr: dict[int, ClaimPath] = {}
         self.streams: dict[str, GuestStream] = {}
@@ -102,6 +106,7 @@ class Router:
                 await self.arm_request(req, save=False)
         self.save()
         self._tick = loop.call_later(TICK_S, self._on_tick)
+        self.ready = True
 
     # ---------------------------------------------------------------- control (control_api.py calls these)
     def _check_new(self, cid: str, exit: str, uds: Path) -> None:
@@ -244,6 +249,7 @@ class Router:
         if self._stopped:
             return
         self._stopped = True
+        self.ready = False
         if self._tick is not None:
             self._tick.cancel()
         for server in self.servers.values():
@@ -390,7 +396,17 @@ async def _main(settings: EgressSettings, claims: list[ClaimRequest]) -> int:
         return 1
     router = Router(settings, claims, allocator=allocator, state=state)
     control = ControlServer(router, settings.control_socket) if settings.control_socket is not None else None
+    ops = _ops(router) if settings.metrics_port else None
     try:
+        if ops is not None:
+            # first, as the other daemons do: /healthz answers while the claims are restored, /readyz after
+            try:
+                port = await ops.start(str(settings.metrics_host), settings.metrics_port)
+            except OSError as e:
+                raise OSError(f"cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                              f"{e.strerror} (choose another metrics_port, or 0 to disable)") from None
+            log.info("ops endpoints up", extra={"event": "ops_listening", "fields": {
+                "address": f"{settings.metrics_host}:{port}"}})
         await router.start()
         if control is not None:
             await control.start()
@@ -399,6 +415,8 @@ async def _main(settings: EgressSettings, claims: list[ClaimRequest]) -> int:
         if control is not None:
             await control.stop()
         await router.stop()
+        if ops is not None:
+            await ops.close()
         return 1
     log.info("egress router up", extra={"event": "egress_listening", "fields": {
         "address": f"{settings.listen}:{settings.port}", "claims": len(claims)}})
@@ -410,8 +428,20 @@ async def _main(settings: EgressSettings, claims: list[ClaimRequest]) -> int:
     if control is not None:
         await control.stop()
     await router.stop()
+    if ops is not None:
+        await ops.close()
     log.info("egress router stopped", extra={"event": "egress_stopped", "fields": router.stats()})
     return 0
+
+
+def _ops(router: Router) -> OpsServer:
+    from prometheus_client import generate_latest
+
+    from forwarder.egress.router.metrics import registry_for
+    from sbxnet.ops_http import OpsServer
+
+    registry = registry_for(router)
+    return OpsServer(lambda: generate_latest(registry), lambda: router.ready)
 
 
 def serve(settings: EgressSettings, claims: list[ClaimRequest], *, check_only: bool = False) -> int:
