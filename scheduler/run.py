@@ -33,7 +33,7 @@ def open_store(settings: SchedulerSettings) -> Store:
         from scheduler.sqlite_store import SqliteStore
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        return SqliteStore(path)
+        return SqliteStore(path, synchronous=settings.sqlite_synchronous)
     from scheduler.pg_store import PgStore
 
     return PgStore(settings.database)

@@ -40,6 +40,10 @@ class SchedulerSettings(BaseSettings):
         "sqlite:///var/lib/sbxnet/scheduler.db",
         description="sqlite:///<absolute path> (one replica) or postgresql://... (replicas sharing it)",
     )
+    sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
+        "FULL", description="SQLite: FULL syncs every commit (an acknowledged batch is on disk); NORMAL may lose "
+        "the last commits on power loss",
+    )
     webhook_url: str | None = Field(None, description="the platform's driver: idle and waking events POSTed here")
     webhook_secret_file: FilePath | None = Field(None, description="HMAC-SHA256 key for X-Sbxnet-Signature")
     webhook_ca_file: FilePath | None = Field(None, description="CA for an https webhook (default: the system's)")
