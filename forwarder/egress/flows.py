@@ -146,14 +146,32 @@ class Policy:
         return self.default_allow
 
 
+class Flow:
+    """One open flow: its key, when it opened and last saw a packet (monotonic), what it carried each way
+    (inner IPv4 bytes and wire packets), whether an inbound segment reopened it, and how many of its
+    bytes out a usage event has reported."""
+
+    __slots__ = ("bytes_in", "bytes_out", "key", "last", "packets_in", "packets_out", "reported_bytes",
+                 "reported_packets", "resumed", "start")
+
+    def __init__(self, key: FlowKey, now: float, resumed: bool = False) -> None:
+        self.key = key
+        self.start = self.last = now
+        self.bytes_out = self.packets_out = self.bytes_in = self.packets_in = 0
+        self.reported_bytes = self.reported_packets = 0
+        self.resumed = resumed
+
+
 class FlowTable:
     """One claim's flows: LRU by last packet, capped, with a token bucket on new flows.
 
     ``admit(key, now)`` returns True for an admitted first packet, False for a packet of a known flow,
     and raises ``FlowRefused`` (reasons in the module docstring) otherwise. ``refusals`` counts them.
+    ``open`` is the same but gives the ``Flow``. A flow that ends (``expire``: idle; ``clear(why)``;
+    ``remove``) is appended to ``ended`` with why, for the caller to record and empty.
     """
 
-    __slots__ = ("_flows", "_rate", "cap", "guard", "idle_timeout", "judge", "opened", "refusals")
+    __slots__ = ("_flows", "_rate", "cap", "ended", "guard", "idle_timeout", "judge", "opened", "refusals")
 
     def __init__(
         self,
@@ -173,7 +191,8 @@ class FlowTable:
         self.cap = cap
         self.idle_timeout = idle_timeout
         self._rate = TokenBucket(new_flow_rate, new_flow_burst or new_flow_rate, now)
-        self._flows: OrderedDict[FlowKey, float] = OrderedDict()
+        self._flows: OrderedDict[FlowKey, Flow] = OrderedDict()
+        self.ended: list[tuple[Flow, str]] = []
         self.refusals: Counter[str] = Counter()
         self.opened = 0  # first packets admitted
 
@@ -183,30 +202,37 @@ class FlowTable:
     def __contains__(self, key: object) -> bool:
         return key in self._flows
 
-    def touch(self, key: FlowKey, now: float) -> bool:
-        """A packet of ``key`` if it is a known flow (its idle timer refreshed): True; otherwise False and
-        nothing is judged or remembered (the inbound path: only the claim's own side opens flows)."""
+    def touch(self, key: FlowKey, now: float) -> Flow | None:
+        """The flow of ``key`` if it is known (its idle timer refreshed); otherwise None and nothing is
+        judged or remembered (the inbound path: only the claim's own side opens flows)."""
         flows = self._flows
-        if key not in flows:
-            return False
-        flows.move_to_end(key)
-        flows[key] = now
-        return True
+        f = flows.get(key)
+        if f is not None:
+            flows.move_to_end(key)
+            f.last = now
+        return f
 
     def admit(self, key: FlowKey, now: float) -> bool:
+        n = self.opened
+        self.open(key, now)
+        return self.opened != n
+
+    def open(self, key: FlowKey, now: float, *, resumed: bool = False) -> Flow:
+        """The flow of ``key``, judged and opened if it is new (``FlowRefused`` if refused)."""
         flows = self._flows
-        if key in flows:
+        f = flows.get(key)
+        if f is not None:
             flows.move_to_end(key)
-            flows[key] = now
-            return False
+            f.last = now
+            return f
         try:
             self._judge_first(key, now)
         except FlowRefused as exc:
             self.refusals[exc.reason] += 1
             raise
-        flows[key] = now
+        f = flows[key] = Flow(key, now, resumed)
         self.opened += 1
-        return True
+        return f
 
     def _judge_first(self, key: FlowKey, now: float) -> None:
         if len(self._flows) >= self.cap:
@@ -226,15 +252,28 @@ class FlowTable:
         deadline = now - self.idle_timeout
         n = 0
         while flows and (limit is None or n < limit):
-            key, last = next(iter(flows.items()))
-            if last > deadline:
+            key, f = next(iter(flows.items()))
+            if f.last > deadline:
                 break
             del flows[key]
+            self.ended.append((f, "idle"))
             n += 1
         return n
 
-    def remove(self, key: FlowKey) -> bool:
-        return self._flows.pop(key, None) is not None
+    def remove(self, key: FlowKey, why: str = "removed") -> bool:
+        f = self._flows.pop(key, None)
+        if f is None:
+            return False
+        self.ended.append((f, why))
+        return True
 
-    def clear(self) -> None:
+    def clear(self, why: str = "cleared") -> None:
+        self.ended.extend((f, why) for f in self._flows.values())
         self._flows.clear()
+
+    def live(self) -> list[Flow]:
+        return list(self._flows.values())
+
+    def take_ended(self) -> list[tuple[Flow, str]]:
+        ended, self.ended = self.ended, []
+        return ended

@@ -32,6 +32,7 @@ from forwarder.egress.arp import gratuitous_arp
 from forwarder.egress.guard import AddressGuard
 from forwarder.egress.router.addresses import AddressPool, AllocationError
 from forwarder.egress.router.allocator import Allocator, LocalAllocator, make_allocator
+from forwarder.egress.router.audit import AuditLog, flow_record, usage_record
 from forwarder.egress.router.claim_state import StateFile
 from forwarder.egress.router.claims import ClaimRequest, ClaimSpec, ClaimState, check_address
 from forwarder.egress.router.control_body import ControlError
@@ -83,6 +84,8 @@ class Router:
         self._garp_due: dict[str, float] = {}
         self._tick: asyncio.TimerHandle | None = None
         self._vxlan_hdr = push_vxlan(settings.vni)
+        self.audit = AuditLog(settings.audit_file)
+        self._usage_at = time.monotonic()
 
     # ---------------------------------------------------------------- life cycle
     async def start(self) -> None:
@@ -169,6 +172,8 @@ class Router:
             await server.wait_closed()
         with contextlib.suppress(OSError):
             os.unlink(path.spec.stream_path)
+        path.flows.clear("moved" if hand_over else "disarmed")
+        self.record(path, time.monotonic())
         del self.paths[cid]
         del self.by_addr[path.address]
         self._garp_due.pop(cid, None)
@@ -265,6 +270,11 @@ class Router:
         if self.vx is not None:
             asyncio.get_running_loop().remove_reader(self.vx.fileno())
             self.vx.close()
+        now = time.monotonic()
+        for path in self.paths.values():
+            path.flows.clear("stopped")  # a clean stop ends the live flows, so each is recorded
+            self.record(path, now)
+        self.audit.close()
         self.save()  # the quota used since the last save
         await self.allocator.close()
 
@@ -345,10 +355,34 @@ class Router:
             if now >= due:
                 self._announce(self.paths[cid])
                 self._garp_due[cid] = now + self.settings.garp_interval
+        usage = now - self._usage_at >= self.settings.usage_interval
+        if usage:
+            self._usage_at = now
+        for path in self.paths.values():
+            path.flows.expire(now)
+            self.record(path, now, usage=usage)
         if self.state is not None and now - self._saved_at >= QUOTA_SAVE_S and any(
                 self._saved_quota.get(cid) != p.limits.bytes_used for cid, p in self.paths.items()):
             self.save()
         self._tick = asyncio.get_running_loop().call_later(TICK_S, self._on_tick)
+
+    def record(self, path: ClaimPath, now: float, *, usage: bool = False) -> None:
+        """Audit the claim's ended flows (each with its last usage event); with ``usage``, a usage event
+        for each live flow that sent something since its last one."""
+        ended = path.flows.take_ended()
+        if not ended and not usage:
+            return
+        offset = time.time() - now
+        out = []
+        for flow, why in ended:
+            u = usage_record(path.id, flow, now + offset)
+            if u is not None:
+                out.append(u)
+            out.append(flow_record(path.id, flow, why, offset, now))
+        if usage:
+            out.extend(u for f in path.flows.live() if (u := usage_record(path.id, f, now + offset)) is not None)
+        self.audit.write(out)
+        self.counts["flows_ended"] += len(ended)
 
     # ---------------------------------------------------------------- numbers
     def stats(self) -> dict[str, Any]:
@@ -394,7 +428,11 @@ async def _main(settings: EgressSettings, claims: list[ClaimRequest]) -> int:
     except OSError as e:
         print(f"egress: cannot start: release log: {e}", file=sys.stderr)
         return 1
-    router = Router(settings, claims, allocator=allocator, state=state)
+    try:
+        router = Router(settings, claims, allocator=allocator, state=state)
+    except OSError as e:
+        print(f"egress: cannot start: audit_file: {e}", file=sys.stderr)
+        return 1
     control = ControlServer(router, settings.control_socket) if settings.control_socket is not None else None
     ops = _ops(router) if settings.metrics_port else None
     try:

@@ -28,7 +28,7 @@ from forwarder.egress.errors import FlowRefused, InboundRefused
 from forwarder.egress.fastpath import OutboundBatch
 from forwarder.egress.flows import FlowTable, flow_key
 from forwarder.egress.guard import AddressGuard
-from forwarder.egress.limits import ClaimLimits
+from forwarder.egress.limits import WIRE_OVERHEAD, ClaimLimits
 from forwarder.egress.reply import pull_reply, wire_size
 from forwarder.egress.router.claims import ClaimSpec
 from forwarder.egress.router.settings import ExitSpec
@@ -102,7 +102,7 @@ class ClaimPath:
         self.frames_since_switch = 0
         self.first_frame_after_switch = None
         if not on:
-            self.flows.clear()
+            self.flows.clear("disabled")
 
     def set_exit(self, exit: ExitSpec) -> None:
         """Send to another exit from the next frame on (called between batches: nothing is pending)."""
@@ -134,11 +134,13 @@ class ClaimPath:
             frame = mv[off : off + ln]
             try:
                 f = validate_outbound(frame, self.mtu, self.offloads)
-                self.flows.admit(flow_key(frame, VNET_HDR_LEN, self.address), now)
-                self.limits.charge_frame(f, now)
+                flow = self.flows.open(flow_key(frame, VNET_HDR_LEN, self.address), now)
+                nbytes, packets = self.limits.charge_frame(f, now)
             except RemoteProtocolError as exc:
                 self.drops[exc.reason] += 1
                 continue
+            flow.bytes_out += nbytes - packets * WIRE_OVERHEAD  # the inner IPv4 bytes, as ``sent`` counts
+            flow.packets_out += packets
             offs[k], lens[k] = off, ln
             k += 1
         self._pending = k
@@ -160,17 +162,20 @@ class ClaimPath:
             except InboundRefused as exc:
                 drops[exc.reason] += 1
                 continue
-            if not flows.touch(key, now):
+            flow = flows.touch(key, now)
+            if flow is None:
                 if not resumable:
                     drops["no_flow"] += 1
                     continue
                 try:
-                    flows.admit(key, now)
+                    flow = flows.open(key, now, resumed=True)
                 except FlowRefused as exc:
                     drops["resume_" + exc.reason] += 1
                     continue
                 self.resumed += 1
             nbytes, packets = wire_size(frame)
+            flow.bytes_in += nbytes
+            flow.packets_in += packets
             rcv.frames += 1
             rcv.packets += packets
             rcv.bytes += nbytes

@@ -87,6 +87,8 @@ class EgressSettings(BaseSettings):
     mesh_dsn: str | None = Field(None, description="PostgreSQL DSN: allocate in the mesh's table, not locally")
     mesh_table: str = Field("egress_addresses", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     node: str = Field(default_factory=socket.gethostname, min_length=1, description="this daemon's name in the mesh")
+    audit_file: Path | None = Field(None, description="JSON lines of ended flows and usage (else the log)")
+    usage_interval: float = Field(60.0, gt=0, le=86400, description="seconds between a live flow's usage events")
     metrics_host: ipaddress.IPv4Address = Field(ipaddress.IPv4Address("127.0.0.1"),
                                                 description="/metrics, /healthz, /readyz")
     metrics_port: int = Field(9467, ge=0, le=65535, description="0 disables /metrics, /healthz, /readyz")

@@ -1,0 +1,70 @@
+"""Audit records and usage events (issue 12 point 7) over loopback: an idle flow's record with its byte
+counts, a resumed flow's verdict, live flows recorded at a clean stop, usage events adding up.
+
+Byte counts are checked against the packets the test built (inner IPv4 lengths) and against the daemon's
+per-claim counters, which come from the C core's results, not from the flow table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from core_packets import REMOTE, tcp, udp, vnet, vxlan_datagram
+from test_router import CLAIM, _rig
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def test_ended_flows_are_audited_with_their_bytes(tmp_path: Path) -> None:
+    audit = tmp_path / "audit.jsonl"
+    async for rig in _rig(tmp_path, flow_idle_timeout=0.5, usage_interval=0.5, audit_file=audit):
+        q1, q2 = udp(b"q" * 100, sport=5353), udp(b"qq" * 10, sport=5353)
+        await rig.send(vnet() + q1, vnet() + q2)
+        answer = udp(b"a" * 300, src=REMOTE, dst=CLAIM, sport=53, dport=5353)
+        rig.exit.sendto(vxlan_datagram(answer), ("127.0.0.1", rig.port))
+        # a stream older than the arm: reopened by the server's segment, still live at the stop
+        seg = tcp(b"d" * 500, src=REMOTE, dst=CLAIM, sport=443, dport=40000)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not any(r["type"] == "flow" for r in _records(audit)):
+            assert loop.time() < deadline, "no record for the idle flow"
+            await asyncio.sleep(0.1)
+        rig.exit.sendto(vxlan_datagram(seg), ("127.0.0.1", rig.port))
+        await asyncio.sleep(0.2)
+        sent = rig.router.paths["c1"].sent.bytes
+        await rig.router.stop()
+    recs = _records(audit)
+    flows = [r for r in recs if r["type"] == "flow"]
+    assert len(flows) == 2, recs
+    idle, live = flows
+    assert (idle["proto"], idle["src"], idle["sport"], idle["dst"], idle["dport"]) == (
+        "udp", "100.64.1.2", 5353, "93.184.216.34", 53)
+    assert (idle["bytes_out"], idle["packets_out"]) == (len(q1) + len(q2), 2)
+    assert (idle["bytes_in"], idle["packets_in"]) == (len(answer), 1)
+    assert idle["verdict"] == "allowed" and idle["ended"] == "idle"
+    assert idle["start"] <= idle["last"] <= idle["end"] and idle["end"] - idle["last"] >= 0.5
+    assert idle["bytes_out"] == sent  # the claim's only outbound flow: the core's own count agrees
+    assert (live["proto"], live["sport"], live["dport"]) == ("tcp", 40000, 443)
+    assert live["verdict"] == "resumed" and live["ended"] == "stopped"
+    assert (live["bytes_in"], live["packets_in"], live["bytes_out"]) == (len(seg), 1, 0)
+    usage = [r for r in recs if r["type"] == "usage"]
+    assert sum(u["bytes_out"] for u in usage if u["sport"] == 5353) == idle["bytes_out"]
+    assert all(u["bytes_out"] > 0 for u in usage)
+
+
+async def test_a_disarm_and_a_disable_end_their_flows(tmp_path: Path) -> None:
+    audit = tmp_path / "audit.jsonl"
+    async for rig in _rig(tmp_path, audit_file=audit):
+        await rig.send(vnet() + udp(b"one", sport=1000))
+        rig.router.set_enabled("c1", False)
+        rig.router.set_enabled("c1", True)
+        await rig.send(vnet() + udp(b"two", sport=2000))
+        await rig.router.disarm("c1")
+        await rig.router.stop()
+    ended = [(r["sport"], r["ended"]) for r in _records(audit) if r["type"] == "flow"]
+    assert ended == [(1000, "disabled"), (2000, "disarmed")]
