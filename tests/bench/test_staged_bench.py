@@ -206,3 +206,29 @@ def test_goals_are_ratios_of_the_medians() -> None:
                 ("L4 kTLS / L4 userspace throughput >= 1.2x", "down-1"),
                 ("forwarder hop (ktls) < 0.49 CPU-s/GB", "up-1")):
         assert got[key]["met"] is None and got[key]["why"]
+
+
+def test_profile_summary_puts_each_sample_in_one_category_per_process() -> None:
+    from sbxnet.app.bench import profile
+
+    gw = 'process 1:"python -m sbxnet.app.cli bench";process 7:"python sbxnet gateway --config g.toml"'
+    hop = 'process 1:"python -m sbxnet.app.cli bench";process 9:"python -m sbxnet.app.bench.l7_hop --port 1"'
+    raw = [
+        f"{gw};run (asyncio/runners.py:118);TlsStream._send_pending (sbxnet/tls_stream.py:280);send (libc.so.6) 30",
+        f"{gw};SSLObject.read (ssl.py:921);0x7f01 (libcrypto.so.3) 20",
+        f"{gw};ReceiveBuffer._extract (h11/_receivebuffer.py:60);0x7f02 (libc.so.6) 10",
+        f"{gw};TlsStream._fill (sbxnet/tls_stream.py:170);0x7f03 (libc.so.6) 15",
+        f"{gw};H1Session._exchange (gateway/http1.py:584) 25",
+        f"{hop};run (asyncio/runners.py:118);epoll_pwait (libc.so.6) 4",
+        f"{hop};run (asyncio/runners.py:118);read (libc.so.6) 6",
+        'process 1:"python -m sbxnet.app.cli bench";main (sbxnet/app/bench/run.py:90) 99',
+        "not a stack line",
+    ]
+    s = profile.summarize(raw)
+    assert set(s) == {"gateway", "l7 hop"}
+    c = profile.CATEGORIES
+    assert s["gateway"] == {c[0]: 30, c[1]: 20, c[2]: 10, c[4]: 15, c[5]: 25}
+    assert s["l7 hop"] == {c[3]: 4, c[0]: 6}
+    rows = profile.table(s).splitlines()
+    assert rows[0] == "| category | gateway | l7 hop |"
+    assert f"| {c[0]} | 30.0% | 60.0% |" in rows and rows[-1] == "| samples | 100 | 10 |"

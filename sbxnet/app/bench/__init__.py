@@ -9,5 +9,5 @@ forwarder-hop and splice runners) are the scripts under ``bench/``, imported fro
 Modules: ``cli`` (the subcommand), ``plan`` (arms, workloads, modes), ``arms`` (starting them),
 ``workloads`` (one trial of each kind), ``run`` (interleaving and progress), ``report`` (JSON, Markdown,
 PNG), ``http_app`` (the sandbox app), ``l7_hop`` (our L7 hop), ``http_peer`` (HTTP/1.1 framing both
-share).
+share), ``profile`` (a py-spy profile of a run, summed per process and category).
 """
