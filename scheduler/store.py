@@ -513,38 +513,74 @@ def ingest_batch(
     nothing was stored, the core must be rebuilt, and the forwarder gets no answer (it resends the same
     batch). A ``StoreError`` before that (the store unreachable, the ledger unreadable) is raised as it is:
     the core is still a faithful cache."""
+    ((decision, events),) = ingest_batches(core, store, [(identity, batch)], now)
+    return decision, events
+
+
+def ingest_batches(
+    core: TimerCore, store: Store, batches: Sequence[tuple[str, Batch]], now: float
+) -> list[tuple[Decision, list[Event]]]:
+    """``ingest_batch`` for several batches (each with its identity) in one transaction (group commit: one
+    begin, one commit, one sync for all of them): each judged against the ledger as the ones before it in
+    the list left it (a batch sent twice is applied once), applied and written in that order. Returns
+    each one's decision and events. Any failure fails them all: ``CoreAhead`` if the core had changed by
+    then (nothing of any of them was stored), otherwise the ``StoreError`` as it is."""
     ahead = False
+    out: list[tuple[Decision, list[Event]]] = []
+    touched: list[str] = []
+    version = 0
     try:
         with store.transaction() as tx:
-            decision = decide(tx.ledger(identity), batch)
-            if not decision.apply:
-                return decision, []
-            sids = [r.sandbox for r in batch.sandboxes]
-            restart = decision.store is not None and decision.store.last_seq == 1
-            if restart:
-                held = set(core.holding(identity)).union(tx.open_from(identity))
-                sids += sorted(held.difference(sids))
-            refresh_core(core, tx, sids)
-            ahead = True
-            events: list[Event] = core.forget_source(identity, now) if restart else []
-            for r in batch.sandboxes:
-                events += core.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, now - r.idle_s, now, identity)
-            tx.claim(identity, batch, decision)
-            tx.note_applied(identity, now)
-            # The core's own states, not copies: written at once. A sandbox with no event changed only
-            # its meters (TimerCore.on_report, forget_source), and the rest of its row is what the core
-            # holds (read, or known by version, under this lock): those columns alone are written.
-            # Of those, one whose open counts did not change leaves them too (TimerCore.counts_changed).
-            state, moved, counted = core.state, {ev.sandbox for ev in events}, core.counts_changed
-            touched = [sid for sid in sids if sid in core]
-            tx.save({sid: state(sid) for sid in touched if sid in moved}, events)
-            meters = [sid for sid in touched if sid not in moved]
-            tx.save_meters({sid: state(sid) for sid in meters if counted(sid)})
-            tx.save_meters({sid: state(sid) for sid in meters if not counted(sid)}, counts=False)
+            for identity, batch in batches:
+                decision = decide(tx.ledger(identity), batch)
+                if not decision.apply:
+                    out.append((decision, []))
+                    continue
+                sids, restart = _rows_of(core, tx, identity, batch, decision)
+                refresh_core(core, tx, sids)
+                ahead = True
+                events, wrote = _apply(core, tx, identity, batch, decision, sids, restart, now)
+                out.append((decision, events))
+                touched += wrote
             version = tx.written_version() if touched else 0
     except StoreError as e:
         if not ahead:
             raise
         raise CoreAhead(e.reason, e.detail) from e
     core.mark_stored(touched, version)  # committed: the core holds these rows as written
-    return decision, events
+    return out
+
+
+def _rows_of(core: TimerCore, tx: Tx, identity: str, batch: Batch, decision: Decision) -> tuple[list[str], bool]:
+    """The rows an APPLY of ``batch`` writes (an epoch's first batch: with those holding its counts), and
+    whether it is an epoch's first."""
+    sids = [r.sandbox for r in batch.sandboxes]
+    restart = decision.store is not None and decision.store.last_seq == 1
+    if restart:
+        held = set(core.holding(identity)).union(tx.open_from(identity))
+        sids += sorted(held.difference(sids))
+    return sids, restart
+
+
+def _apply(
+    core: TimerCore, tx: Tx, identity: str, batch: Batch, decision: Decision, sids: list[str], restart: bool,
+    now: float,
+) -> tuple[list[Event], list[str]]:
+    """One APPLY of ``batch`` inside ``tx``, its rows locked and refreshed (``ingest_batch``); returns its
+    events and the rows it wrote."""
+    events: list[Event] = core.forget_source(identity, now) if restart else []
+    for r in batch.sandboxes:
+        events += core.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, now - r.idle_s, now, identity)
+    tx.claim(identity, batch, decision)
+    tx.note_applied(identity, now)
+    # The core's own states, not copies: written at once. A sandbox with no event changed only
+    # its meters (TimerCore.on_report, forget_source), and the rest of its row is what the core
+    # holds (read, or known by version, under this lock): those columns alone are written.
+    # Of those, one whose open counts did not change leaves them too (TimerCore.counts_changed).
+    state, moved, counted = core.state, {ev.sandbox for ev in events}, core.counts_changed
+    touched = [sid for sid in sids if sid in core]
+    tx.save({sid: state(sid) for sid in touched if sid in moved}, events)
+    meters = [sid for sid in touched if sid not in moved]
+    tx.save_meters({sid: state(sid) for sid in meters if counted(sid)})
+    tx.save_meters({sid: state(sid) for sid in meters if not counted(sid)}, counts=False)
+    return events, touched
