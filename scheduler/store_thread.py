@@ -54,6 +54,7 @@ class StoreThread:
         self._ident: int | None = None
         self.pending = 0  # submitted, not finished (read and written on the loop only)
         self.refused = 0  # Busy answers
+        self.submitted = 0  # operations submitted so far (one that joins the last can tell nothing came between)
 
     def on_thread(self) -> bool:
         """Whether the caller is this store thread."""
@@ -64,6 +65,11 @@ class StoreThread:
 
     async def run(self, fn: Callable[..., T], *args: object, bounded: bool = False) -> T:
         """``fn(*args)`` on the store thread, after everything submitted before it."""
+        return await self.submit(fn, *args, bounded=bounded)
+
+    def submit(self, fn: Callable[..., T], *args: object, bounded: bool = False) -> asyncio.Future[T]:
+        """``run`` without awaiting: ``Busy`` is raised here; the future is the result (cancelling it
+        before the operation starts means it is not run)."""
         if bounded and self.pending >= self.max_pending:
             self.refused += 1
             raise Busy(self.pending)
@@ -75,11 +81,12 @@ class StoreThread:
             return fn(*args)
 
         self.pending += 1
+        self.submitted += 1
         cf = self._pool.submit(call)
         # Counted down when the work ends, not when its waiter stops waiting (a cancelled waiter's
         # operation still holds the thread).
         cf.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
-        return await asyncio.wrap_future(cf)
+        return asyncio.wrap_future(cf)
 
     def _done(self) -> None:
         self.pending -= 1

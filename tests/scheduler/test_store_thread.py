@@ -5,8 +5,9 @@ While a feed batch waits on the store (another connection holds SQLite's write l
 lock on one of the batch's sandboxes), the gateway's route lookups are answered, each well within a
 bound, and the batch is answered 200 once the lock goes, its bytes committed. With the store thread's
 queue full, a further batch and a registration are refused 503 with ``Retry-After`` and change nothing;
-the batch that waited still commits. A request whose client goes away while its operation runs still
-commits and publishes its events."""
+the batch that waited still commits. Batches that arrive while a transaction runs commit as one group
+after it, each answered, a resend among them applied once. A request whose client goes away while its
+operation runs still commits and publishes its events."""
 
 from __future__ import annotations
 
@@ -162,7 +163,8 @@ async def test_a_full_queue_answers_503_with_retry_after_and_changes_nothing(sta
     holder.hold()
     try:
         first = asyncio.create_task(stack.post(stack.batch()))
-        second = asyncio.create_task(stack.post(stack.batch(), stream=1))
+        await _until_waiting(stack.app, 1)
+        second = asyncio.create_task(stack.client.admin("PUT", "/v1/sandboxes/sbx-queued", registration()))
         await _until_waiting(stack.app, 2)  # max_pending: the queue is full
         status, headers, doc = await stack.post(stack.batch(), stream=2)
         assert (status, headers.get("Retry-After"), doc) == (503, "1", "busy")
@@ -172,11 +174,39 @@ async def test_a_full_queue_answers_503_with_retry_after_and_changes_nothing(sta
         assert status == 503 and headers.get("Retry-After") == "1", (status, doc)
     finally:
         holder.release()
-    assert (await first)[0] == 200 and (await second)[0] == 200
-    assert stack.totals() == {(20, 40)}  # the two that waited, not the refused one
+    assert (await first)[0] == 200 and (await second)[0] == 201
+    assert stack.totals() == {(10, 20), (0, 0)}  # the batch that waited (sbx-queued: none), not the refused one
     assert stack.app.store is not None and stack.app.store.ledger("spiffe://t/forwarder/1#2") is None
     assert (await stack.client.admin("GET", "/v1/sandboxes/sbx-new"))[0] == 404
     assert stack.app.service is not None and stack.app.service.feed.refused.get("busy") == 1
+
+
+async def test_batches_that_queue_behind_a_transaction_commit_as_one_group(stack: Stack) -> None:
+    """While a batch waits on the lock, five streams' batches and a resend of one of them arrive: they
+    join one group (one transaction after the first), every one is answered, the resend counted once."""
+    app = stack.app
+    assert app.service is not None
+    feed = app.service.feed
+    await app.service.stop()  # the timer loop's rounds would start groups of their own between the batches
+    holder = stack.holder()
+    holder.hold()
+    try:
+        first = asyncio.create_task(stack.post(stack.batch()))
+        await _until_waiting(app, 1)
+        await asyncio.sleep(0.2)  # the first is inside its transaction: the next ones queue
+        body = stack.batch()
+        rest = [asyncio.create_task(stack.post(body if s == 0 else stack.batch(), stream=1 + s % 5))
+                for s in range(6)]
+        await _until_waiting(app, 2)
+        await asyncio.sleep(0.5)  # all six arrived and joined (the store thread is still on the first)
+        assert app.service.worker.pending == 2 and not first.done()
+    finally:
+        holder.release()
+    assert (await first)[:1] == (200,)
+    answers = [(status, doc) for status, _, doc in await asyncio.gather(*rest)]
+    assert answers == [(200, {"acked": 1})] * 6
+    assert feed.groups == 2 and feed.answered["apply"] == 6 and sum(feed.answered.values()) == 7
+    assert stack.totals() == {(60, 120)}  # six streams' batches each once: the resend applied once
 
 
 async def test_a_cancelled_request_still_commits_and_publishes_its_events(stack: Stack) -> None:
