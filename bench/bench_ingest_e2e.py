@@ -189,8 +189,16 @@ def run_arm(arm: str, args: argparse.Namespace, pki: dict[str, Any], work: Path,
                                             stdout=subprocess.PIPE, cwd=ROOT))
         time.sleep(max(0.0, start - time.time()))
         cpu0, w0 = proc_cpu(sched.pid), time.time()
+        spy = None
+        if args.profile:  # py-spy on the scheduler over the window: collapsed stacks, every thread
+            out = args.profile / f"{arm}-{time.time_ns()}.txt"
+            spy = subprocess.Popen([args.py_spy, "record", "--pid", str(sched.pid), "--format", "raw", "--threads",
+                                    "--rate", "200", "--duration", str(int(args.seconds)), "--output", str(out)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(max(0.0, end - time.time()))
         cpu1, w1 = proc_cpu(sched.pid), time.time()
+        if spy is not None:
+            spy.wait(60)
         posts: list[list[float]] = []
         client_cpu = 0.0
         for c in clients:
@@ -238,6 +246,8 @@ def main() -> int:
     ap.add_argument("--arms", default="sqlite-FULL,sqlite-NORMAL,pg")
     ap.add_argument("--rounds", type=int, default=1, help="each round runs the arms A B .. B A")
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
+    ap.add_argument("--profile", type=Path, help="a folder: py-spy's collapsed stacks of the scheduler per run")
+    ap.add_argument("--py-spy", default="/tmp/pyspy-venv/bin/py-spy", help="the py-spy binary for --profile")
     args = ap.parse_args()
     if args.client:
         import uvloop
