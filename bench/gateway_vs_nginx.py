@@ -282,8 +282,9 @@ class Bench:
                 h.update(chunk)
         self.large_sha = h.hexdigest()
 
-    def nginx(self, name: str, values: dict[str, str | int], ready_port: int) -> Server:
-        text = (NGINX_CONF / f"{name}.conf").read_text()
+    def nginx(self, name: str, values: dict[str, str | int], ready_port: int, *, conf_dir: Path = NGINX_CONF) -> Server:
+        """Fill in ``conf_dir/<name>.conf`` (``@KEY@`` placeholders) and start nginx on it."""
+        text = (conf_dir / f"{name}.conf").read_text()
         for k, v in {"DIR": str(self.work), "HOST": HOST, **values}.items():
             text = text.replace(f"@{k}@", str(v))
         if "@" in re.sub(r"#.*", "", text):

@@ -113,13 +113,7 @@ class Lab:
         return server
 
     def _nginx(self, name: str, values: dict[str, str | int], port: int) -> Any:
-        # Bench.nginx fills in and starts a template from gateway_vs_nginx.NGINX_CONF; ours are in CONF.
-        saved = self.gvn.NGINX_CONF
-        self.gvn.NGINX_CONF = CONF
-        try:
-            return self.bench.nginx(name, values, port)
-        finally:
-            self.gvn.NGINX_CONF = saved
+        return self.bench.nginx(name, values, port, conf_dir=CONF)  # our templates, Bench.nginx's filling
 
     def _forwarder(self, key: str) -> Any:
         settings: dict[str, Any] = {"data_plane": "ktls" if "ktls" in key else "userspace"}
