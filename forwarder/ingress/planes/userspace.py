@@ -31,7 +31,9 @@ RECV_SIZE = 1024 * 1024  # one socket read, into a buffer lent while its bytes m
 # kept for the session (OpenSSL never shrinks it), so a tunnel that once moved a burst would otherwise keep
 # a whole read's worth in each direction's BIO for the rest of its life (1 MiB reads: 1.5 MiB a tunnel).
 FEED_SIZE = 64 * 1024
-PLAINTEXT_SIZE = FEED_SIZE  # decrypted per delivery, gateway -> sandbox
+# Decrypted per delivery to the sandbox, gathered across a read's slices: one send per 256 KiB, not per
+# slice (a send per 64 KiB cost a third more CPU per byte: docs/benchmarks.md, "Forwarder hop").
+PLAINTEXT_SIZE = 256 * 1024
 RAW_KEEP = 4  # given-back buffers each pool of the loop thread keeps for the next burst
 PLAIN_KEEP = 8
 
@@ -180,11 +182,13 @@ class UserspacePlane:
                 if plain is None:
                     plain = plains.take()
                 eof = False
+                n = 0  # decrypted into ``plain``, not delivered yet
                 for off in range(0, got, FEED_SIZE):
                     # A slice at a time: the BIO's buffer grows to the largest write and never shrinks.
                     h.link.incoming.write(raw[off : min(got, off + FEED_SIZE)])
                     drained.clear()
-                    eof = await self._decrypt_and_deliver(loop, h, drained, plain)
+                    n, eof = await self._decrypt_and_deliver(loop, h, drained, plain, n,
+                                                             flush=off + FEED_SIZE >= got)
                     if eof:
                         break
                 if eof:
@@ -199,13 +203,15 @@ class UserspacePlane:
             up.shutdown(socket.SHUT_WR)
 
     async def _decrypt_and_deliver(
-        self, loop: asyncio.AbstractEventLoop, h: Handoff, drained: _Drained, plain: memoryview
-    ) -> bool:
-        """Decrypt every complete record in the incoming BIO and deliver it; True at close_notify."""
+        self, loop: asyncio.AbstractEventLoop, h: Handoff, drained: _Drained, plain: memoryview, n: int,
+        *, flush: bool,
+    ) -> tuple[int, bool]:
+        """Decrypt every complete record in the incoming BIO after the ``n`` bytes already in ``plain``,
+        delivering whenever ``PLAINTEXT_SIZE`` is reached, and the rest when ``flush`` (the read's last
+        slice) or at close_notify. Returns what is left undelivered and whether close_notify came."""
         tls = h.link.ssl
         eof = False
         while True:
-            n = 0
             while n < PLAINTEXT_SIZE:
                 try:
                     k = cast(int, tls.read(len(plain) - n, plain[n:]))  # with a buffer: a count
@@ -220,14 +226,16 @@ class UserspacePlane:
                     eof = True
                     break
                 n += k
-            if n < PLAINTEXT_SIZE:
+            full = n >= PLAINTEXT_SIZE
+            if not full:
                 drained.set()  # no complete record left in the BIO
                 if drained.waiting:
                     await asyncio.sleep(0)  # let the waiting close_notify go out now
-            if n:
+            if n and (full or flush or eof):
                 await self._deliver(loop, h.upstream, plain[:n], h.meter)
+                n = 0
             if drained.is_set() or eof:
-                return eof
+                return n, eof
 
     async def _sandbox_to_gateway(self, h: Handoff, drained: _Drained) -> None:
         loop = asyncio.get_running_loop()
