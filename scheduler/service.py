@@ -506,7 +506,7 @@ class SchedulerService:
             for state in self.core.states():
                 counts[state.value] += 1
             self.state_counts = counts
-        return self.core.next_timer(), failed
+        return self.core.next_timer_before(self.now() + MAX_TIMER_SLEEP_S), failed
 
     async def _timers(self) -> None:
         loop = asyncio.get_running_loop()

@@ -514,6 +514,32 @@ class TimerCore:
                 return at
         return None
 
+    def next_timer_before(self, horizon: float) -> float | None:
+        """``next_timer`` when it is at or before ``horizon``; otherwise None or a time after ``horizon``
+        no later than the earliest deadline, if there is one (None: no timer runs). A sleeper that wakes
+        at ``horizon`` anyway needs no more, and this brings up to date only the heap entries at or
+        before ``horizon``: ``next_timer`` moves every entry below the earliest deadline, which under
+        steady traffic (every deadline moving later each second, none of them due) is every sandbox on
+        every call."""
+        heap = self._heap
+        while heap:
+            at, _, sb, gen = heap[0]
+            if at > horizon:
+                return at  # an entry is never later than its sandbox's deadline
+            if sb.gen != gen or self._sandboxes.get(sb.config.sandbox) is not sb:
+                heapq.heappop(heap)
+                continue
+            d = _deadline(sb)
+            if d is None:
+                heapq.heappop(heap)
+                sb.heap_at = None
+            elif d != at:
+                heapq.heapreplace(heap, (d, next(self._seq), sb, gen))
+                sb.heap_at = d
+            else:
+                return at
+        return None
+
     def due(self, now: float) -> list[str]:
         """The sandboxes ``on_timer(now)`` would take idle, without changing anything (a shared store's
         adapter locks and re-reads exactly these rows first). Walks only the heap's entries at or before
