@@ -479,6 +479,15 @@ class PgStore(OneShotWrites):
         self._regs.keep_only({s.sandbox for s in out})
         return out
 
+    def versions(self) -> dict[str, int]:
+        return {str(r[0]): int(r[1]) for r in self._read("SELECT sandbox, row_version FROM sandboxes")}
+
+    def sandboxes_in(self, sandboxes: Collection[str]) -> list[StoredSandbox]:
+        if not sandboxes:
+            return []
+        rows = self._read(f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox = ANY(%s)", (list(sandboxes),))
+        return [self._sandbox_of(r) for r in rows]
+
     def sandbox(self, sandbox: str) -> StoredSandbox | None:
         rows = self._read(f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox = %s", (sandbox,))
         return self._sandbox_of(rows[0]) if rows else None

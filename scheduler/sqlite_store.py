@@ -462,6 +462,19 @@ class SqliteStore(OneShotWrites):
         self._regs.keep_only({s.sandbox for s in out})
         return out
 
+    def versions(self) -> dict[str, int]:
+        return {str(r[0]): int(r[1]) for r in self._read("SELECT sandbox, row_version FROM sandboxes")}
+
+    def sandboxes_in(self, sandboxes: Collection[str]) -> list[StoredSandbox]:
+        out: list[StoredSandbox] = []
+        ids = list(sandboxes)
+        for i in range(0, len(ids), _LOCK_CHUNK):
+            part = ids[i : i + _LOCK_CHUNK]
+            marks = ", ".join("?" * len(part))
+            rows = self._read(f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox IN ({marks})", part)
+            out += [self._sandbox_of(r) for r in rows]
+        return out
+
     def sandbox(self, sandbox: str) -> StoredSandbox | None:
         rows = self._read(f"SELECT {_ROW_COLS} FROM sandboxes WHERE sandbox = ?", (sandbox,))
         return self._sandbox_of(rows[0]) if rows else None

@@ -221,6 +221,14 @@ class Store(Protocol):
         """Every stored sandbox, by ID."""
         ...
 
+    def versions(self) -> dict[str, int]:
+        """Every stored sandbox's row version (a plain read: what a resync compares with its core's)."""
+        ...
+
+    def sandboxes_in(self, sandboxes: Collection[str]) -> list[StoredSandbox]:
+        """The stored rows of these sandboxes (those not stored left out), a plain read without locks."""
+        ...
+
     def sandbox(self, sandbox: str) -> StoredSandbox | None:
         """One stored sandbox as last committed, or None; a plain read that takes no lock and waits for
         none (the route lookup)."""

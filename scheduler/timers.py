@@ -380,6 +380,10 @@ class TimerCore:
         sb = self._sandboxes.get(sandbox)
         return None if sb is None else sb.st.state
 
+    def ids(self) -> list[str]:
+        """Every registered sandbox's ID, in no order."""
+        return list(self._sandboxes)
+
     def states(self) -> Iterator[State]:
         """Each sandbox's state, in no order (for counts)."""
         return (sb.st.state for sb in self._sandboxes.values())
