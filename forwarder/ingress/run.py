@@ -162,9 +162,9 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
     if taken is not None:
         # No await since the accept loop was made: it has not accepted yet, so a process killed before
         # this line took no connection, and the running one (still accepting) never stopped.
-        ktls_plane = server.plane.name == "ktls"
-        announce_ready(taken, tunnels=ktls_plane)
-        released = await finish_takeover(taken, settings.takeover_timeout, server if ktls_plane else None)
+        adopts = server.plane.name == "ktls" and settings.takeover_move_ktls
+        announce_ready(taken, tunnels=adopts)
+        released = await finish_takeover(taken, settings.takeover_timeout, server if adopts else None)
         log.info("took over the listener", extra={"event": "takeover_done", "fields": {
             "from_pid": taken.offer.pid, "stream": taken.offer.stream,
             "old_kept_connections": released.open_connections if released else None,
@@ -196,9 +196,9 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
             return kept
 
         # The ktls plane moves its live tunnels to a new process that can adopt them (their TLS state is
-        # in the kernel); userspace tunnels stay here until they end.
+        # in the kernel), where both set takeover_move_ktls; userspace tunnels stay here until they end.
         mover: TunnelMover | None = None
-        if server.plane.name == "ktls":
+        if server.plane.name == "ktls" and settings.takeover_move_ktls:
             from forwarder.ingress.planes.ktls import KtlsPlane
 
             assert isinstance(server.plane, KtlsPlane)

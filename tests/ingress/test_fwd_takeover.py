@@ -84,9 +84,9 @@ class Tunnel(threading.Thread):
 class Arrivals(threading.Thread):
     """A new short connection every TICK_S, each in its own thread: open, a payload, its echo back whole."""
 
-    def __init__(self, port: int, pki: Pki, app_port: int) -> None:
+    def __init__(self, port: int, pki: Pki, app_port: int, tick: float = TICK_S) -> None:
         super().__init__(daemon=True)
-        self.port, self.pki, self.app_port = port, pki, app_port
+        self.port, self.pki, self.app_port, self.tick = port, pki, app_port, tick
         self.stop = threading.Event()
         self.started = 0
         self.ok = 0
@@ -122,7 +122,7 @@ class Arrivals(threading.Thread):
             t.start()
             self._threads.append(t)
             self.started += 1
-            next_at += TICK_S
+            next_at += self.tick
             time.sleep(max(0.0, next_at - time.monotonic()))
 
     def finish(self) -> None:

@@ -3,7 +3,12 @@ ktls plane. The new process gets the listener and every tunnel in the old one's 
 pipes with their bytes, counters), the old one exits, and the tunnels go on streaming in the new one:
 nothing refused, cut, lost or sent twice, and each tunnel's bytes counted once across the two processes.
 A new process that dies before the commit leaves the tunnels with the old one, which goes on serving
-them. Needs CONFIG_TLS: scripts/ktls-tests.sh runs these inside a Debian kernel."""
+them. Needs CONFIG_TLS: scripts/ktls-tests.sh runs these inside a Debian kernel.
+
+Status: not yet seen to pass. Three runs of the first test under scripts/ktls-tests.sh (10 tunnels, a
+connection every 100 ms) ran past the VM's time limit (560-595 s) with no result back, so where it
+stalls or fails is not known; the moving itself is tested on plain TCP in test_splice_pump_move.py.
+Until this passes, takeover_move_ktls stays off by default."""
 
 from __future__ import annotations
 
@@ -23,7 +28,12 @@ from fwd_support import Pki, SandboxApp, make_pki
 from test_fwd_process import Proc, procs, write_config
 
 pytestmark = pytest.mark.ktls
-TUNNELS = int(os.environ.get("KTLS_TAKEOVER_TUNNELS", "50"))
+# The issue's figures on a kernel with TLS. Under QEMU's software emulation (scripts/ktls-tests.sh) a TLS
+# handshake takes the better part of a second of emulated CPU, so there the same checks run at a tenth
+# of the load: functional, not the load the issue names.
+IN_VM = os.environ.get("SBXNET_IN_VM") == "1"
+TUNNELS = int(os.environ.get("KTLS_TAKEOVER_TUNNELS", "10" if IN_VM else "50"))
+TICK_S = 0.1 if IN_VM else 0.01
 __all__ = ["procs"]  # the fixture, shared with test_fwd_process
 
 
@@ -34,9 +44,21 @@ def kpki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 def ktls_config(path: Path, pki: Pki, control: Path) -> Path:
     cfg = write_config(path, pki, takeover_socket=f'"{control}"', connect_deadline=30, connect_syn_interval=1,
-                       takeover_timeout=120)
+                       takeover_timeout=120, takeover_move_ktls="true")
     cfg.write_text(cfg.read_text().replace('data_plane = "userspace"', 'data_plane = "ktls"'))
     return cfg
+
+
+# Emulated CPUs: a new interpreter takes a minute or more to import everything and listen.
+START_S = 150
+
+
+def listening(p: Proc) -> None:
+    try:
+        p.wait_listening(timeout=START_S)
+        p.wait_for("takeover_listening", timeout=60)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; its log so far:\n{p.err[-4000:]}") from None
 
 
 def by_conn(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -49,19 +71,18 @@ def test_tunnels_move_to_the_new_process_and_the_old_one_exits(tmp_path: Path, k
     cfg = ktls_config(tmp_path / "f.toml", kpki, control)
     old = Proc(cfg)
     procs.append(old)
-    old.wait_listening(timeout=60)
-    old.wait_for("takeover_listening", timeout=60)
+    listening(old)
     app = SandboxApp(tk.echo)
     tunnels = [tk.Tunnel(old.port, kpki, app.port, seed) for seed in range(TUNNELS)]
     for t in tunnels:
         t.start()
-    arrivals = tk.Arrivals(old.port, kpki, app.port)
+    arrivals = tk.Arrivals(old.port, kpki, app.port, tick=TICK_S)
     arrivals.start()
     time.sleep(2.0)
 
     new = Proc(cfg, "--takeover", str(control))
     procs.append(new)
-    (done,) = new.wait_for("takeover_done", timeout=180)
+    (done,) = new.wait_for("takeover_done", timeout=START_S)
     moved = done["tunnels_moved"]
     assert isinstance(moved, int) and moved >= TUNNELS
     new.wait_for("tunnels_adopted", timeout=60)
@@ -126,10 +147,9 @@ def test_a_new_process_killed_before_the_commit_leaves_the_tunnels_with_the_old_
     control = tmp_path / "control.sock"
     old = Proc(ktls_config(tmp_path / "f.toml", kpki, control))
     procs.append(old)
-    old.wait_listening(timeout=60)
-    old.wait_for("takeover_listening", timeout=60)
+    listening(old)
     app = SandboxApp(tk.echo)
-    tunnels = [tk.Tunnel(old.port, kpki, app.port, seed) for seed in range(10)]
+    tunnels = [tk.Tunnel(old.port, kpki, app.port, seed) for seed in range(min(TUNNELS, 10))]
     for t in tunnels:
         t.start()
     time.sleep(1.0)
@@ -140,7 +160,7 @@ def test_a_new_process_killed_before_the_commit_leaves_the_tunnels_with_the_old_
     half.send_signal(signal.SIGKILL)
     half.wait(30)
     (failed,) = old.wait_for("takeover_failed", timeout=120)
-    assert failed["reason"] == "tunnels_given_back" and failed["given_back"] >= 10
+    assert failed["reason"] == "tunnels_given_back" and failed["given_back"] >= len(tunnels)
     time.sleep(1.0)  # they stream on in the old process
     for t in tunnels:
         t.finish.set()
