@@ -74,13 +74,14 @@ def _pg_holder(dsn: str) -> Holder:
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Callable[[], Store], Callable[[], Holder]]:
     if request.param == "sqlite":
         db = tmp_path / "s.db"
-        return (lambda: SqliteStore(db)), (lambda: _sqlite_holder(db))
+        # Long lock waits: under load the test's steps while the lock is held may take more than the defaults.
+        return (lambda: SqliteStore(db, busy_timeout_s=60.0)), (lambda: _sqlite_holder(db))
     try:
         server = pg_support.shared_server()
     except pg_support.PgUnavailable as e:
         pytest.skip(str(e))
     dsn = pg_support.fresh_schema(server)
-    return (lambda: PgStore(dsn)), (lambda: _pg_holder(dsn))
+    return (lambda: PgStore(dsn, lock_timeout_s=60.0)), (lambda: _pg_holder(dsn))
 
 
 class Stack:
