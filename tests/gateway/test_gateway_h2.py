@@ -209,9 +209,11 @@ def test_coalesced_streams_are_each_answered_by_their_own_sandbox_under_one_conn
     assert seen(out, 5)["headers"]["host"] == f"{beta.port}-beta.{DOMAIN}"
     assert sorted(r["path"] for r in alpha.requests[before[0]:]) == ["/alpha-by-port", "/first"]
     assert sorted(r["path"] for r in beta.requests[before[1]:]) == ["/beta-by-port", "/coalesced"]
-    # The gateway's log: one link per routed stream, each to its own sandbox, all under the one client connection.
+    # The gateway's log: links to both sandboxes, all under the one client connection. One per routed stream
+    # at most: a stream may ride a link an earlier stream to the same sandbox port left whole (kept links).
     links = log.events("link_open")
-    assert sorted(line["sandbox_id"] for line in links) == ["alpha", "alpha", "beta", "beta"], links
+    assert {line["sandbox_id"] for line in links} == {"alpha", "beta"}, links
+    assert 2 <= len(links) <= 4, links
     assert len({line["conn_id"] for line in links}) == 1, links
 
 

@@ -307,6 +307,12 @@ def test_a_killed_worker_is_restarted_and_its_counts_kept(
     ctx = client_ctx(pki)
     n = 16
     assert [one_request(g.port, ctx) for _ in range(n)] == [200] * n
+    # A request is counted as it ends, just after its client has the answer: wait for the counts, so the kill
+    # tests what becomes of counts a dead worker made, not that race.
+    deadline = time.monotonic() + 10
+    while g.sample("sbxnet_gateway_requests_total", {"kind": "http", "status": "200"}) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     victim = min(pids)
     os.kill(victim, signal.SIGKILL)
     exited = g.wait_for("worker_exited")
