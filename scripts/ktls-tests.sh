@@ -6,6 +6,7 @@
 # tests do not report, this FAILS with the reason: a kTLS test is never skipped silently.
 #   KTLS_VM_TIMEOUT  seconds for the whole VM run (default 480)
 #   KTLS_XFER_MIB    MiB each way for the large transfer tests (default 64; the issue needs >= 64)
+#   KTLS_TAKEOVER    1: also run tests/ingress/planes/test_ktls_takeover.py (not yet seen to finish in the VM)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -32,7 +33,7 @@ cat >"$results/inner.sh" <<INNER
 cd '$root' || exit 90
 ip link set lo up 2>/dev/null
 if ! modprobe tls; then echo "modprobe tls failed inside the VM" >'$results/error'; echo 91 >'$results/rc'; exit 91; fi
-export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp TMPDIR=/tmp KTLS_XFER_MIB='${KTLS_XFER_MIB:-64}' SBXNET_IN_VM=1
+export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp TMPDIR=/tmp KTLS_XFER_MIB='${KTLS_XFER_MIB:-64}' SBXNET_IN_VM=1 KTLS_TAKEOVER='${KTLS_TAKEOVER:-}'
 '$py' -m pytest $extra --basetemp=/tmp/pytest --junitxml='$results/junit.xml' >'$results/pytest.log' 2>&1
 echo \$? >'$results/rc'
 INNER

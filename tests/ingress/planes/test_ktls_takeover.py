@@ -27,7 +27,17 @@ import test_fwd_takeover as tk
 from fwd_support import Pki, SandboxApp, make_pki
 from test_fwd_process import Proc, procs, write_config
 
-pytestmark = pytest.mark.ktls
+pytestmark = [
+    pytest.mark.ktls,
+    # Under the emulator this module has not once finished inside the VM's time budget (see above), and a
+    # run past it fails every kTLS test with it. It runs where the kernel has TLS natively, and in the VM
+    # when asked for (KTLS_TAKEOVER=1 KTLS_VM_TIMEOUT=1200 scripts/ktls-tests.sh); the feature it covers
+    # (takeover_move_ktls) stays off by default until it passes.
+    pytest.mark.skipif(os.environ.get("SBXNET_IN_VM") == "1" and os.environ.get("KTLS_TAKEOVER") != "1",
+                       reason="moving kTLS tunnels is not yet verified: under the emulator this module overran the "
+                              "VM's time budget; run it with KTLS_TAKEOVER=1 KTLS_VM_TIMEOUT=1200 "
+                              "scripts/ktls-tests.sh"),
+]
 # The issue's figures on a kernel with TLS. Under QEMU's software emulation (scripts/ktls-tests.sh) a TLS
 # handshake takes the better part of a second of emulated CPU, so there the same checks run at a tenth
 # of the load: functional, not the load the issue names.
