@@ -21,7 +21,9 @@ commits whole or not at all, so nothing is ever half-allocated.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import random
 import re
 from typing import Any
 
@@ -31,7 +33,8 @@ from psycopg import errors as pg_errors
 from forwarder.egress.router.addresses import AllocationError
 
 _TABLE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-RACE_RETRIES = 8
+RACE_RETRIES = 64  # daemons asking at once take the same lowest free address: the loser asks again
+RACE_PAUSE_S = 0.005  # at most, drawn at random after a lost race, so two losers do not stay in step
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {t} (
@@ -162,6 +165,7 @@ class MeshAllocator:
             # is full; the count tells which.
             if not await self._has_room():
                 raise AllocationError("pool_exhausted", f"every address of {self.pool} is held or cooling")
+            await asyncio.sleep(random.uniform(0, RACE_PAUSE_S))
         raise AllocationError("allocator_unavailable", f"address database: lost {RACE_RETRIES} races in a row")
 
     async def _has_room(self) -> bool:
