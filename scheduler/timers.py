@@ -501,7 +501,22 @@ class TimerCore:
 
     def next_timer(self) -> float | None:
         """The earliest idle deadline over all sandboxes (exact), or None when no timer runs."""
-        return self.next_timer_before(math.inf)
+        heap = self._heap
+        while heap:
+            at, _, sb, gen = heap[0]
+            if sb.gen != gen or self._sandboxes.get(sb.config.sandbox) is not sb:
+                heapq.heappop(heap)
+                continue
+            d = _deadline(sb)
+            if d is None:
+                heapq.heappop(heap)
+                sb.heap_at = None
+            elif d != at:
+                heapq.heapreplace(heap, (d, next(self._seq), sb, gen))
+                sb.heap_at = d
+            else:
+                return at
+        return None
 
     def next_timer_before(self, horizon: float) -> float | None:
         """``next_timer`` when it is at or before ``horizon``; otherwise None or a time after ``horizon``
