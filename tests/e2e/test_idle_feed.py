@@ -58,9 +58,7 @@ class Chain:
         self.client = Client(sched)
 
     def state(self, sid: str) -> str | None:
-        assert self.sched.service is not None
-        s = self.sched.service.core.state_of(sid)
-        return None if s is None else s.value
+        return self.sched.state(sid)  # committed, so its event is stored too
 
     def idle_events(self, sid: str) -> list[float]:
         assert self.sched.store is not None

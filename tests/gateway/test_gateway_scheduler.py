@@ -168,7 +168,7 @@ async def test_scale_to_zero_and_back_with_one_wake_for_fifty_requests(chain: Ch
         await register(chain, "sleepy", port, idle_period_s=0.5)
         assert (await chain.get(f"sleepy.{DOMAIN}"))[0] == 200
         sched = chain.sched
-        await wait_for(lambda: sched.service is not None and sched.service.core.state_of("sleepy") == "stopped",
+        await wait_for(lambda: sched.state("sleepy") == "stopped",
                        10.0, "stopped by the driver")
         # No forwarder feed here to say the wake's traffic is activity: a longer period keeps the woken
         # sandbox from idling again mid-test (the same incarnation keeps its state: stopped).

@@ -116,6 +116,13 @@ class SchedulerApp:
     def url(self) -> str:
         return f"https://127.0.0.1:{self.port}"
 
+    def state(self, sandbox: str) -> str | None:
+        """The committed state, read on the test's own connection. The service's core is a cache the store
+        thread changes just before its commit, so a state read there can run ahead of its stored event."""
+        assert self.store is not None
+        row = self.store.sandbox(sandbox)
+        return None if row is None else row.state.state.value
+
     async def start(self) -> SchedulerApp:
         # As run.py does: each store opened on the thread it is used on, the core loaded there.
         worker = StoreThread() if self.max_pending is None else StoreThread(max_pending=self.max_pending)

@@ -149,7 +149,7 @@ async def test_hold_is_extend_only_and_keeps_the_sandbox_active(sched: tuple[Sch
     await asyncio.sleep(0.9)  # past the idle period, inside the hold
     assert (await c.admin("GET", "/v1/sandboxes/sbx-1"))[1]["state"] == "active"
     assert app.service is not None
-    await wait_for(lambda: app.service.core.state_of("sbx-1") == "idle", 5.0, "idle after the hold")
+    await wait_for(lambda: app.state("sbx-1") == "idle", 5.0, "idle after the hold")
     assert app.store is not None
     idle = [e.event for e in app.store.events_after(0) if e.event.to_state == "idle"]
     # The period runs from the hold's end, so the idle event is no earlier than hold end + period.
@@ -224,7 +224,7 @@ async def test_webhook_retries_until_delivered_in_order(pki: dict[str, Path], tm
 async def _idle(app: SchedulerApp, c: Client, sid: str = "sbx-1") -> None:
     await c.admin("PUT", f"/v1/sandboxes/{sid}", registration(idle_period_s=0.2))
     assert app.service is not None
-    await wait_for(lambda: app.service.core.state_of(sid) == "idle", 5.0, "idle")
+    await wait_for(lambda: app.state(sid) == "idle", 5.0, "idle")
 
 
 async def test_fifty_wakes_one_driver_start_all_answered_when_ready(pki: dict[str, Path], tmp_path: Path) -> None:
@@ -314,7 +314,7 @@ async def test_state_survives_a_restart(pki: dict[str, Path], tmp_path: Path) ->
     await c.admin("PUT", "/v1/sandboxes/sbx-2", registration(idle_period_s=300))
     hold = (await c.admin("POST", "/v1/sandboxes/sbx-2/hold", {"ttl_s": 600}))[1]["hold_until"]
     assert app.service is not None
-    await wait_for(lambda: app.service.core.state_of("sbx-1") == "idle", 5.0, "idle")
+    await wait_for(lambda: app.state("sbx-1") == "idle", 5.0, "idle")
     await c.close()
     await app.stop()
     app = await SchedulerApp(lambda: SqliteStore(db), pki, port=app.port).start()
