@@ -92,7 +92,7 @@ import re
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from sbxnet.errors import LocalProtocolError, RemoteProtocolError
 
@@ -174,9 +174,9 @@ class FeedError(RemoteProtocolError):
         return 413 if self.reason == "too_large" else 400
 
 
-@dataclass(frozen=True)
-class SandboxReport:
-    """One sandbox's entry in a batch (the wire's names)."""
+class SandboxReport(NamedTuple):
+    """One sandbox's entry in a batch (the wire's names). A named tuple rather than a frozen dataclass:
+    a scheduler makes 100,000 a second, and a tuple is made three times faster."""
 
     sandbox: str
     bytes_in: int  # gateway -> sandbox since the previous acknowledged batch

@@ -180,7 +180,7 @@ def test_too_many_sandboxes() -> None:
 
 def test_the_largest_batch_fits_the_body_bound() -> None:
     worst = SandboxReport("x" * 64, COUNT_MAX, COUNT_MAX, COUNT_MAX, IDLE_S_MAX)
-    entries = tuple(SandboxReport(f"{i:064d}", *list(vars(worst).values())[1:]) for i in range(MAX_SANDBOXES))
+    entries = tuple(SandboxReport(f"{i:064d}", *worst[1:]) for i in range(MAX_SANDBOXES))
     data = push_batch(Batch("9223372036854775807-ffffffffffffffff", COUNT_MAX, entries))
     assert len(data) < MAX_BODY_BYTES * 0.7
     assert len(pull_batch(data).sandboxes) == MAX_SANDBOXES
