@@ -408,6 +408,51 @@ def test_any_json_value_parses_or_is_refused(value: object) -> None:
             pass
 
 
+# Values a column may hold after decoding: mostly in range (so whole batches pass), and each kind the
+# per-entry checks refuse (a bool is not an int; an integer literal too long is kept as text).
+_column_value = st.one_of(
+    st.integers(0, 3), st.integers(0, COUNT_MAX), st.sampled_from([0, COUNT_MAX, COUNT_MAX + 1, -1, IDLE_MS_MAX,
+                                                                   IDLE_MS_MAX + 1]),
+    st.booleans(), st.floats(0, 10), st.none(), st.text(max_size=2), st.builds(feed._Huge, st.just("9" * 25)),
+)
+_column_id = st.one_of(st.sampled_from(["a", "b", "sbx-1", "x" * 64]), ids, st.text(max_size=66), _anything)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.lists(st.tuples(_column_id, _column_value, _column_value, _column_value, _column_value), max_size=6))
+def test_the_column_fast_path_accepts_exactly_what_the_entry_checks_do(entries: list[tuple[object, ...]]) -> None:
+    """pull_batch judges a batch's columns a whole column at a time and, when that refuses, entry by entry
+    (which names the reason): the two must accept the same batches and give the same reports."""
+    ids_, *columns = ([e[i] for e in entries] for i in range(5))
+    fast = feed._columns_fast(ids_, columns)
+    try:
+        checked = feed._columns_checked(ids_, columns, FeedError)
+    except FeedError:
+        assert fast is None
+    else:
+        assert fast == checked and all(type(r) is SandboxReport for r in fast)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.lists(st.one_of(st.integers(-(10**30), 10**30), st.text("0123456789-x", max_size=30)), max_size=5))
+def test_a_body_decoded_without_the_integer_hook_decodes_as_with_it(values: list[object]) -> None:
+    """Where no digit run is long enough for an integer over the profile's length, the decoder without the
+    per-integer hook is used: it must give what the hooked one gives (no integer kept as text)."""
+    raw = json.dumps(values).encode()
+    hooked = feed._DECODER.decode(raw.decode())
+    if not feed._has_long_digits(raw):
+        assert feed._PLAIN_DECODER.decode(raw.decode()) == hooked
+        assert not any(isinstance(v, feed._Huge) for v in hooked)
+    if any(isinstance(v, feed._Huge) for v in hooked):
+        assert feed._has_long_digits(raw)
+
+
+def test_an_integer_literal_at_the_length_bound_is_found_either_way() -> None:
+    for text, long in (("9" * 20, False), ("9" * 21, True), ("-" + "9" * 19, False), ("-" + "9" * 20, True)):
+        assert feed._has_long_digits(f"[{text}]".encode()) is long, text
+        assert isinstance(feed._DECODER.decode(f"[{text}]")[0], feed._Huge) is long, text
+
+
 # --- answers -------------------------------------------------------------------------------------------
 
 
