@@ -7,6 +7,9 @@
 #   KTLS_VM_TIMEOUT  seconds for the whole VM run (default 480)
 #   KTLS_XFER_MIB    MiB each way for the large transfer tests (default 64; the issue needs >= 64)
 #   KTLS_TAKEOVER    1: also run tests/ingress/planes/test_ktls_takeover.py (not yet seen to finish in the VM)
+#   KTLS_TAKEOVER_TUNNELS, KTLS_TAKEOVER_TICK_S  that test's long tunnels and arrival interval (its defaults if unset)
+# The takeover test's processes' logs and steps are kept in /tmp/sbxnet-ktls-last-trace/ (written as they
+# come, so a run cut short by the time limit shows where it was).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -34,6 +37,10 @@ cd '$root' || exit 90
 ip link set lo up 2>/dev/null
 if ! modprobe tls; then echo "modprobe tls failed inside the VM" >'$results/error'; echo 91 >'$results/rc'; exit 91; fi
 export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp TMPDIR=/tmp KTLS_XFER_MIB='${KTLS_XFER_MIB:-64}' SBXNET_IN_VM=1 KTLS_TAKEOVER='${KTLS_TAKEOVER:-}'
+export KTLS_TRACE_DIR='$results/trace'
+[ -n '${KTLS_TAKEOVER_TUNNELS:-}' ] && export KTLS_TAKEOVER_TUNNELS='${KTLS_TAKEOVER_TUNNELS:-}'
+[ -n '${KTLS_TAKEOVER_TICK_S:-}' ] && export KTLS_TAKEOVER_TICK_S='${KTLS_TAKEOVER_TICK_S:-}'
+mkdir -p "\$KTLS_TRACE_DIR"
 '$py' -m pytest $extra --basetemp=/tmp/pytest --junitxml='$results/junit.xml' >'$results/pytest.log' 2>&1
 echo \$? >'$results/rc'
 INNER
@@ -47,6 +54,10 @@ vm_rc=$?
 if [[ -f $results/pytest.log ]]; then
     cat "$results/pytest.log"
     cp "$results/pytest.log" "${TMPDIR:-/tmp}/sbxnet-ktls-last.log" 2>/dev/null || true
+fi
+trace_keep=${TMPDIR:-/tmp}/sbxnet-ktls-last-trace
+if [[ -n $(ls -A "$results/trace" 2>/dev/null) ]]; then
+    rm -rf "$trace_keep" && cp -r "$results/trace" "$trace_keep" 2>/dev/null || true
 fi
 echo "kTLS: VM run took $((SECONDS - start)) s (vng exit $vm_rc)"
 if [[ ! -f $results/rc ]]; then

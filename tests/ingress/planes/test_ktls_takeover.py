@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,23 @@ pytestmark = [
                        reason="moving kTLS tunnels is not yet verified: under the emulator this module overran the "
                               "VM's time budget; run it with KTLS_TAKEOVER=1 KTLS_VM_TIMEOUT=1200 "
                               "scripts/ktls-tests.sh"),
+    # pyproject's 300 s per test is less than two forwarders' starts under the emulator (each past a
+    # minute, the second, under the first one's load, up to four): a run cut there is no result.
+    pytest.mark.timeout(1000 if os.environ.get("SBXNET_IN_VM") == "1" else 300),
 ]
 # The issue's figures on a kernel with TLS. Under QEMU's software emulation (scripts/ktls-tests.sh) a TLS
-# handshake takes the better part of a second of emulated CPU, so there the same checks run at a tenth
-# of the load: functional, not the load the issue names.
+# handshake takes the better part of a second of emulated CPU on each side, and a new forwarder's start
+# (imports) takes over a minute of both emulated CPUs: a connection every 100 ms there piled up faster
+# than they were served (handshakes past the 5 s timeout by the hundred, threads by the thousand, the
+# run past the VM's limit). So there the same checks run at a load the emulator keeps up with, and a
+# handshake may take up to a minute: functional, not the load the issue names.
 IN_VM = os.environ.get("SBXNET_IN_VM") == "1"
 TUNNELS = int(os.environ.get("KTLS_TAKEOVER_TUNNELS", "10" if IN_VM else "50"))
-TICK_S = 0.1 if IN_VM else 0.01
+TICK_S = float(os.environ.get("KTLS_TAKEOVER_TICK_S", "1.0" if IN_VM else "0.01"))
+HANDSHAKE_S = 60 if IN_VM else 5
+# Where the processes' logs and the test's steps are written as they come (scripts/ktls-tests.sh sets it
+# inside the VM and keeps them): a run the VM's time limit cuts short still shows where it was.
+TRACE_DIR = os.environ.get("KTLS_TRACE_DIR")
 __all__ = ["procs"]  # the fixture, shared with test_fwd_process
 
 
@@ -54,13 +65,14 @@ def kpki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 def ktls_config(path: Path, pki: Pki, control: Path) -> Path:
     cfg = write_config(path, pki, takeover_socket=f'"{control}"', connect_deadline=30, connect_syn_interval=1,
-                       takeover_timeout=120, takeover_move_ktls="true")
+                       takeover_timeout=600 if IN_VM else 120, takeover_move_ktls="true", handshake_timeout=HANDSHAKE_S,
+                       preamble_timeout=30 if IN_VM else 2)
     cfg.write_text(cfg.read_text().replace('data_plane = "userspace"', 'data_plane = "ktls"'))
     return cfg
 
 
 # Emulated CPUs: a new interpreter takes a minute or more to import everything and listen.
-START_S = 150
+START_S = 420 if IN_VM else 60
 
 
 def listening(p: Proc) -> None:
@@ -71,6 +83,35 @@ def listening(p: Proc) -> None:
         raise AssertionError(f"{e}; its log so far:\n{p.err[-4000:]}") from None
 
 
+class Trace(threading.Thread):
+    """With KTLS_TRACE_DIR set: every 5 s, each process's log so far and the test's steps, to files there."""
+
+    def __init__(self, name: str, procs: list[Proc]) -> None:
+        super().__init__(daemon=True)
+        self.name, self.procs = name, procs
+        self.steps: list[str] = []
+        self.t0 = time.monotonic()
+        self.done = threading.Event()
+        if TRACE_DIR:
+            self.start()
+
+    def step(self, what: str) -> None:
+        self.steps.append(f"{time.monotonic() - self.t0:8.1f}s {what}\n")
+        self.flush()
+
+    def flush(self) -> None:
+        if not TRACE_DIR:
+            return
+        d = Path(TRACE_DIR)
+        (d / f"{self.name}.steps").write_text("".join(self.steps))
+        for i, p in enumerate(list(self.procs)):
+            (d / f"{self.name}.proc{i}.log").write_text(p.err)
+
+    def run(self) -> None:
+        while not self.done.wait(5.0):
+            self.flush()
+
+
 def by_conn(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {str(r["conn_id"]): r for r in records}
 
@@ -79,35 +120,43 @@ def test_tunnels_move_to_the_new_process_and_the_old_one_exits(tmp_path: Path, k
     tk.echo_digests.clear()
     control = tmp_path / "control.sock"
     cfg = ktls_config(tmp_path / "f.toml", kpki, control)
+    trace = Trace("move", procs)
     old = Proc(cfg)
     procs.append(old)
     listening(old)
+    trace.step("old process listening")
     app = SandboxApp(tk.echo)
     tunnels = [tk.Tunnel(old.port, kpki, app.port, seed) for seed in range(TUNNELS)]
     for t in tunnels:
         t.start()
+    trace.step(f"{TUNNELS} tunnels open")
     arrivals = tk.Arrivals(old.port, kpki, app.port, tick=TICK_S)
     arrivals.start()
     time.sleep(2.0)
 
     new = Proc(cfg, "--takeover", str(control))
     procs.append(new)
+    trace.step("new process started")
     (done,) = new.wait_for("takeover_done", timeout=START_S)
+    trace.step(f"takeover_done {done}")
     moved = done["tunnels_moved"]
     assert isinstance(moved, int) and moved >= TUNNELS
     new.wait_for("tunnels_adopted", timeout=60)
     (went,) = old.wait_for("tunnels_moved", timeout=60)
     assert went["moved"] == moved
     old.wait_exit(120)  # its tunnels are gone: nothing keeps it
+    trace.step(f"old process exited {old.p.returncode}")
     assert old.p.returncode == 0, old.err
     time.sleep(2.0)  # the tunnels stream on in the new process alone
     arrivals.finish()
+    trace.step(f"arrivals finished: {arrivals.started} started, {arrivals.ok} ok, {len(arrivals.failures)} failed")
     for t in tunnels:
         t.finish.set()
     for t in tunnels:
         t.join(300)
         assert not t.is_alive() and t.error is None, t.error
         assert t.sent.digest() == t.back.digest()
+    trace.step("tunnels finished")
     app.join(120, connections=TUNNELS + arrivals.started)
     assert arrivals.failures == [], arrivals.failures[:5]
     assert arrivals.ok == arrivals.started
@@ -127,6 +176,8 @@ def test_tunnels_move_to_the_new_process_and_the_old_one_exits(tmp_path: Path, k
     assert all(new_adopted[c]["outcome"] == "closed" for c in old_moved if old_moved[c]["sandbox_id"] in long_ids)
     (old_stop,) = old.events("stopped")
     new.stop()
+    trace.step("new process stopped")
+    trace.done.set()
     (new_stop,) = new.events("stopped")
     total = sum(t.n for t in tunnels) + arrivals.bytes
     assert int(old_stop["bytes_up"]) + int(new_stop["bytes_up"]) == total
@@ -155,13 +206,16 @@ def test_a_new_process_killed_before_the_commit_leaves_the_tunnels_with_the_old_
 ) -> None:
     tk.echo_digests.clear()
     control = tmp_path / "control.sock"
+    trace = Trace("halfway", procs)
     old = Proc(ktls_config(tmp_path / "f.toml", kpki, control))
     procs.append(old)
     listening(old)
+    trace.step("old process listening")
     app = SandboxApp(tk.echo)
     tunnels = [tk.Tunnel(old.port, kpki, app.port, seed) for seed in range(min(TUNNELS, 10))]
     for t in tunnels:
         t.start()
+    trace.step(f"{len(tunnels)} tunnels open")
     time.sleep(1.0)
     root = Path(__file__).resolve().parents[3]
     half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(control), str(root)], stdout=subprocess.PIPE)
@@ -169,7 +223,9 @@ def test_a_new_process_killed_before_the_commit_leaves_the_tunnels_with_the_old_
     assert half.stdout.readline().strip() == b"got a tunnel"
     half.send_signal(signal.SIGKILL)
     half.wait(30)
+    trace.step("half-way process killed")
     (failed,) = old.wait_for("takeover_failed", timeout=120)
+    trace.step(f"takeover_failed {failed}")
     assert failed["reason"] == "tunnels_given_back" and failed["given_back"] >= len(tunnels)
     time.sleep(1.0)  # they stream on in the old process
     for t in tunnels:
@@ -178,7 +234,10 @@ def test_a_new_process_killed_before_the_commit_leaves_the_tunnels_with_the_old_
         t.join(300)
         assert not t.is_alive() and t.error is None, t.error
         assert t.sent.digest() == t.back.digest()
+    trace.step("tunnels finished")
     old.wait_exit(120)  # released (to the dead one) and its tunnels ended: it exits
+    trace.step(f"old process exited {old.p.returncode}")
+    trace.done.set()
     assert old.p.returncode == 0, old.err
     closed = [e for e in old.events("closed") if str(e["sandbox_id"]).startswith("sbx-long-")]
     assert sorted(int(e["bytes_up"]) for e in closed) == sorted(t.n for t in tunnels)
