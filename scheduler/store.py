@@ -585,10 +585,8 @@ def _apply(
     # its meters (TimerCore.on_report, forget_source), and the rest of its row is what the core
     # holds (read, or known by version, under this lock): those columns alone are written.
     # Of those, one whose open counts did not change leaves them too (TimerCore.counts_changed).
-    state, moved, counted = core.state, {ev.sandbox for ev in events}, core.counts_changed
-    touched = [sid for sid in sids if sid in core]
-    tx.save({sid: state(sid) for sid in touched if sid in moved}, events)
-    meters = [sid for sid in touched if sid not in moved]
-    tx.save_meters({sid: state(sid) for sid in meters if counted(sid)})
-    tx.save_meters({sid: state(sid) for sid in meters if not counted(sid)}, counts=False)
+    touched, whole, counted, traffic = core.rows_to_write(sids, {ev.sandbox for ev in events})
+    tx.save(whole, events)
+    tx.save_meters(counted)
+    tx.save_meters(traffic, counts=False)
     return events, touched

@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple
@@ -368,6 +368,26 @@ class TimerCore:
         restored or marked stored. A store that knows the row held the core's state at that point (its
         version) leaves them as they are when not: writing them costs an index update per row."""
         return self._get(sandbox).counts_moved
+
+    def rows_to_write(
+        self, sandboxes: Iterable[str], moved: Collection[str]
+    ) -> tuple[list[str], dict[str, SandboxState], dict[str, SandboxState], dict[str, SandboxState]]:
+        """For a store writing these sandboxes' rows after a batch, in one pass: the registered ones, in
+        order; then their states (the core's own, as ``state`` gives them) in three parts: those in
+        ``moved`` (a transition: the whole row), those whose open counts changed (``counts_changed``: the
+        meters with the counts) and the rest (the traffic meters alone)."""
+        get = self._sandboxes.get
+        present: list[str] = []
+        whole: dict[str, SandboxState] = {}
+        counted: dict[str, SandboxState] = {}
+        traffic: dict[str, SandboxState] = {}
+        for sid in sandboxes:
+            sb = get(sid)
+            if sb is None:
+                continue
+            present.append(sid)
+            (whole if sid in moved else counted if sb.counts_moved else traffic)[sid] = sb.st
+        return present, whole, counted, traffic
 
     def has_state(self, sandbox: str, state: SandboxState) -> bool:
         """Whether the sandbox's state equals ``state`` (``snapshot(sandbox) == state`` without the copy)."""

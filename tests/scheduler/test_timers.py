@@ -277,6 +277,23 @@ def test_counts_changed_says_whether_the_open_counts_moved_since_restore_or_mark
         core.counts_changed("nope")
 
 
+def test_rows_to_write_parts_the_sandboxes_as_state_and_counts_changed_say() -> None:
+    core = TimerCore()
+    for i in range(6):
+        core.restore(SandboxConfig(f"sbx-{i}", "inc-1", 10.0, registered_at=0.0), SandboxState(0.0, ACTIVE, 0.0), 1)
+    core.on_report("sbx-1", 5, 5, 2, 1.0, 1.0, "fwd#0")  # open counts moved
+    core.on_report("sbx-2", 5, 5, 0, 1.0, 1.0, "fwd#0")  # bytes only
+    core.on_report("sbx-4", 0, 0, 1, 1.0, 1.0, "fwd#0")
+    order = ["sbx-4", "nope", "sbx-0", "sbx-1", "sbx-2", "sbx-3", "sbx-5"]
+    present, whole, counted, traffic = core.rows_to_write(order, {"sbx-3", "sbx-1"})
+    assert present == [sid for sid in order if sid in core]
+    assert list(whole) == ["sbx-1", "sbx-3"] and list(counted) == ["sbx-4"]
+    assert list(traffic) == ["sbx-0", "sbx-2", "sbx-5"]
+    for part in (whole, counted, traffic):
+        assert all(st is core.state(sid) for sid, st in part.items())  # the core's own, not copies
+    assert all(core.counts_changed(sid) for sid in counted) and not any(core.counts_changed(s) for s in traffic)
+
+
 def test_connections_policy_open_report_wakes_an_idle_sandbox() -> None:
     core = core_with(period=10.0, activity=Activity.CONNECTIONS)
     go_idle(core)
