@@ -42,7 +42,7 @@ def test_rows_the_timers_and_the_sweep_wrote_are_not_read_again_by_the_next_batc
 
     def full_reads() -> list[str]:
         """The row reads (versions are read as ``sandbox, row_version``)."""
-        return [q for q in statements if q.startswith("SELECT sandbox, registration")]
+        return [q for q in statements if q.startswith("SELECT s.sandbox, s.registration")]
 
     def feed(seq: int, now: float, open_: int = 0) -> None:
         b = Batch(E1, seq, tuple(SandboxReport(sid, 1, 1, open_, 0.0) for sid in SIDS))

@@ -159,9 +159,19 @@ ALTER TABLE feed_ledger ADD COLUMN counts_forgotten INTEGER NOT NULL DEFAULT 0;
 UPDATE schema_version SET version = 3;
 """
 
+# What version 4 added to version 3 (row versions, in ``sandboxes``), as it wrote it; sbx-a written once since.
+SCHEMA_V4_OVER_V3 = """
+ALTER TABLE sandboxes ADD COLUMN row_version INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE row_versions (last INTEGER NOT NULL);
+INSERT INTO row_versions (last) VALUES (0);
+UPDATE sandboxes SET row_version = 3 WHERE sandbox = 'sbx-a';
+UPDATE row_versions SET last = 3;
+UPDATE schema_version SET version = 4;
+"""
+
 
 def old_file(db: Path, version: int) -> None:
-    """A file as version 1, 2 or 3 left it: sbx-a active with two connections open (one count, no source
+    """A file as version 1, 2, 3 or 4 left it: sbx-a active with two connections open (one count, no source
     before version 3), sbx-b idle with none, a ledger record, and sbx-a's idle event due to the webhook."""
     schema = SCHEMA_V2 if version >= 2 else SCHEMA_V2.replace(",\n    claimed_by TEXT, claimed_until REAL", "")
     body = push_registration(reg(activity="connections")).decode()
@@ -175,12 +185,14 @@ def old_file(db: Path, version: int) -> None:
     c.execute("INSERT INTO events (sandbox, incarnation, from_state, to_state, at, why, webhook) "
               "VALUES ('sbx-b', 'inc-1', 'active', 'idle', 400.0, 'idle_timer', 1)")
     c.commit()
-    if version == 3:
+    if version >= 3:
         c.executescript(SCHEMA_V3_OVER_V2)
+    if version == 4:
+        c.executescript(SCHEMA_V4_OVER_V3)
     c.close()
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_an_older_file_is_migrated_with_its_rows(db: Path, version: int) -> None:
     old_file(db, version)
     with SqliteStore(db) as store:
@@ -195,12 +207,16 @@ def test_an_older_file_is_migrated_with_its_rows(db: Path, version: int) -> None
             assert tx.stale_sources(1.0) == [FWD]  # applied_at 0: the service's start grace covers it
         core = load_core(store)
         assert core.holding(UNATTRIBUTED) == ["sbx-a"] and core.next_timer() is None  # held open; sbx-b idle
-        # Row versions: 0 for the rows there, handed out from 1.
-        assert {r.sandbox: r.version for r in store.sandboxes()} == {"sbx-a": 0, "sbx-b": 0}
+        # Row versions: 0 for the rows there before version 4, handed out from 1 (version 4's kept, and
+        # handed out after its last).
+        a_was, last = (3, 3) if version == 4 else (0, 0)
+        assert {r.sandbox: r.version for r in store.sandboxes()} == {"sbx-a": a_was, "sbx-b": 0}
         assert core.stored_version("sbx-b") == 0
         assert ingest_batch(core, store, FWD, batch(E1, 4, ("sbx-b", 1, 1)), 500.0)[0].apply
-        assert {r.sandbox: r.version for r in store.sandboxes()} == {"sbx-a": 0, "sbx-b": 1}
-        assert core.stored_version("sbx-b") == 1
+        assert {r.sandbox: r.version for r in store.sandboxes()} == {"sbx-a": a_was, "sbx-b": last + 1}
+        assert core.stored_version("sbx-b") == last + 1
+        assert {r.sandbox: (r.state.bytes_in, r.state.bytes_out) for r in store.sandboxes()} == {
+            "sbx-a": (7, 8), "sbx-b": (8, 9)}
         with store.transaction() as tx:
             assert tx.stale_sources(400.0) == []
         (due,) = store.claim_webhooks("r1", 1001.0, 30.0)  # version 1's events got the claim columns
@@ -351,7 +367,8 @@ def test_row_versions_are_read_again_only_after_another_connection_committed(db:
     a, core = with_sandboxes(db, "sbx-a", "sbx-b")
     statements: list[str] = []
     a._conn.set_trace_callback(statements.append)
-    reads = lambda: [q for q in statements if q.startswith("SELECT") and "FROM sandboxes WHERE sandbox IN" in q]  # noqa: E731
+    reads = lambda: [q for q in statements  # noqa: E731
+                     if q.startswith("SELECT") and ("FROM meters WHERE sandbox IN" in q or "WHERE s.sandbox IN" in q)]
     b1 = batch(E1, 1, ("sbx-a", 1, 1), ("sbx-b", 1, 1))
     assert ingest_batch(core, a, FWD, b1, 200.0)[0].apply
     assert len(reads()) == 1  # the rows: this connection wrote their versions, but the core holds none
@@ -445,6 +462,7 @@ def test_a_transaction_rolls_back_on_an_exception_and_refuses_nesting(db: Path) 
 TRIGGERS = {
     "ledger": ["AFTER INSERT ON feed_ledger", "AFTER UPDATE ON feed_ledger"],
     "sandboxes": ["AFTER UPDATE ON sandboxes"],
+    "meters": ["AFTER UPDATE ON meters"],
     "events": ["AFTER INSERT ON events"],
 }
 
@@ -452,7 +470,7 @@ TRIGGERS = {
 def snapshot_db(store: SqliteStore) -> tuple[object, ...]:
     c = store._conn
     return tuple(
-        c.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in ("sandboxes", "feed_ledger", "events")
+        c.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in ("sandboxes", "meters", "feed_ledger", "events")
     )
 
 
