@@ -62,6 +62,22 @@ async def _send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: 
         data = data[n:]
 
 
+async def _finish(*tasks: asyncio.Task[None]) -> None:
+    """Cancel ``tasks`` and wait for their ends, each exception retrieved (the outcome is judged before).
+
+    ``asyncio.wait``, not ``gather``: a task woken by a gathering future (a ``Future`` subclass) looks up
+    its ``result`` under a name made afresh each time, and CPython's method cache keeps such names (the
+    last in each of its 4,096 slots). After 2,000 tunnels ended that way, hundreds of these 64-byte
+    strings were left all over the heap the tunnels had filled, each keeping a 1 MiB arena of Python's
+    allocator from going back to the kernel (measured: 9 MiB freed once the cache was cleared)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
+
+
 class _Drained(asyncio.Event):
     """Set while the incoming BIO holds no complete record; ``waiting`` once close_notify waits on it."""
 
@@ -115,9 +131,7 @@ class UserspacePlane:
             outcome = Outcome.DRAINED
             raise
         finally:
-            for task in (up, down):
-                task.cancel()
-            await asyncio.gather(up, down, return_exceptions=True)
+            await _finish(up, down)
             self._close(h, outcome)
         return outcome
 
