@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,49 +269,60 @@ def test_a_tunnel_that_moved_a_burst_keeps_little_of_it(tmp_path: Path, pki: Pki
 
 
 class FakeHeap:
-    """The trimmer's inputs: a live-heap figure the test sets, and a release that costs ``cost_per_unit``
-    seconds per unit on a fake clock and brings the heap down to ``after_release``."""
+    """The trimmer's inputs: a live-heap figure the test sets, a fake clock, a release that costs
+    ``cost_per_unit`` seconds per unit and brings the heap down to ``after_release``, and deferred calls
+    kept for the test to run."""
 
     def __init__(self, live: int, cost_per_unit: float) -> None:
         self.live = live
         self.cost_per_unit = cost_per_unit
         self.after_release = live
-        self.clock = 0.0
+        self.now = 0.0
         self.released = 0
+        self.deferred: list[tuple[float, Callable[[], None]]] = []
 
     def release(self) -> None:
-        self.clock += self.cost_per_unit * self.live
+        self.now += self.cost_per_unit * self.live
         self.live = self.after_release
         self.released += 1
+
+    def defer(self, delay: float, fn: Callable[[], None]) -> None:
+        self.deferred.append((self.now + delay, fn))
 
 
 def test_free_lists_are_released_after_the_heap_shrinks_and_no_more_often_than_the_duty_allows() -> None:
     from forwarder.ingress.planes.memory import MAX_DUTY, SHRUNK, HeapTrimmer
 
     heap = FakeHeap(live=1000, cost_per_unit=0.001)  # a release costs 1 s at 1000 units
-    t = HeapTrimmer(live=lambda: heap.live, release=heap.release, clock=lambda: heap.clock)
-    t.trim(now=0.0)
+    t = HeapTrimmer(live=lambda: heap.live, release=heap.release, clock=lambda: heap.now, defer=heap.defer)
+    t.trim()
     assert heap.released == 0  # nothing has shrunk yet
-    heap.live = 2000  # tunnels open: the peak rises
-    t.trim(now=1.0)
-    heap.live = int(2000 * SHRUNK) + 1  # closes, not yet a tenth of the peak
-    t.trim(now=2.0)
+    heap.live, heap.now = 2000, 1.0  # tunnels open: the peak rises
+    t.trim()
+    heap.live, heap.now = int(2000 * SHRUNK) + 1, 2.0  # closes, not yet a tenth of the peak
+    t.trim()
     assert heap.released == 0
-    heap.live = int(2000 * SHRUNK)
+    heap.live, heap.now = int(2000 * SHRUNK), 3.0
     heap.after_release = 1700
-    t.trim(now=3.0)
+    t.trim()
     assert heap.released == 1  # the first release is never held back
-    # A tenth below 1700 again, but the last release cost 1.8 s: the next one (predicted 1.5 s) waits until
-    # 1.5 s is at most MAX_DUTY of the time since the last.
-    heap.live = 1500
-    heap.after_release = 1500
-    wait = 0.001 * 1500 / MAX_DUTY
-    t.trim(now=3.0 + wait - 1)
+    released_at = heap.now  # 3 s + the 1.8 s it cost
+    # A tenth below 1700 again, but the last release cost 1.8 s: the next one (predicted 1.5 s) may come
+    # once 1.5 s is MAX_DUTY of the time since the last; a trim before that defers it to then.
+    heap.live = heap.after_release = 1500
+    allowed_at = released_at + 0.001 * 1500 / MAX_DUTY
+    heap.now = allowed_at - 5
+    t.trim()
+    t.trim()
     assert heap.released == 1
-    t.trim(now=3.0 + wait + 1)
+    assert len(heap.deferred) == 1  # once, however many trims come meanwhile
+    when, fn = heap.deferred.pop()
+    assert when == pytest.approx(allowed_at)
+    heap.now = when
+    fn()
     assert heap.released == 2
     # At a steady count the live heap wobbles under a tenth: no release, however long.
     for i in range(100):
-        heap.live = 1500 + (i % 7) * 20
-        t.trim(now=1000.0 + i)
-    assert heap.released == 2
+        heap.live, heap.now = 1500 + (i % 7) * 20, 1000.0 + i
+        t.trim()
+    assert heap.released == 2 and not heap.deferred

@@ -21,6 +21,7 @@ object keeps; run with ``PYTHONMALLOC=malloc`` and the tunnels' objects sit in m
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import gc
@@ -139,54 +140,79 @@ SHRUNK = 0.9  # free lists are released once the live heap is at most this part 
 MAX_DUTY = 0.05
 
 
+def _call_later(delay: float, fn: Callable[[], None]) -> None:
+    try:
+        asyncio.get_running_loop().call_later(delay, fn)
+    except RuntimeError:
+        pass  # no event loop in this thread: the caller's next trim tries again
+
+
 class HeapTrimmer:
     """When to release the free lists before trimming: only once the live heap has shrunk to ``SHRUNK`` of
     its peak since the last release (a wave of closes: while tunnels come and go at a steady count there is
     nothing to give back), and at most at a rate that keeps the collection, predicted from the last one's
-    cost per unit of live heap, under ``MAX_DUTY`` of the time. ``now`` is the caller's (monotonic
-    seconds); ``clock`` only times the collection."""
+    cost per unit of live heap, under ``MAX_DUTY`` of the time. A release held back by that rate is
+    deferred (``defer``: the running loop's ``call_later``) to when it is allowed: the wave's last ends may
+    come just after a release, and nothing else would call again once they have."""
 
-    def __init__(self, *, live: Callable[[], int] = live_heap, release: Callable[[], None] = release_free_lists,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        *,
+        live: Callable[[], int] = live_heap,
+        release: Callable[[], None] = release_free_lists,
+        clock: Callable[[], float] = time.monotonic,
+        defer: Callable[[float, Callable[[], None]], None] = _call_later,
+    ) -> None:
         self._live = live
         self._release = release
         self._clock = clock
+        self._defer = defer
         self._level = live()  # the peak of the live heap since the last release (or since start)
         self._cost_per_unit = 0.0  # seconds of collection per unit of live heap, the last time
         self._released_at = float("-inf")
+        self._deferred = False
         self.releases = 0
 
-    def due(self, now: float, live: int) -> bool:
-        if live > self._level * SHRUNK:
-            self._level = max(self._level, live)
-            return False
-        return self._cost_per_unit * live <= MAX_DUTY * (now - self._released_at)
-
-    def trim(self, now: float) -> bool:
-        """Release the free lists if :meth:`due`, then ``malloc_trim(0)``; False where there is none."""
-        live = self._live()
-        if self.due(now, live):
-            t0 = self._clock()
-            self._release()
-            self._cost_per_unit = (self._clock() - t0) / max(live, 1)
-            self._released_at = now
-            self._level = self._live()
-            self.releases += 1
+    def trim(self) -> bool:
+        """Release the free lists if due, then ``malloc_trim(0)``; False where there is no such call."""
+        self._maybe_release()
         if _TRIM is None:
             return False
         _TRIM(0)
         return True
 
+    def _maybe_release(self) -> None:
+        live = self._live()
+        if live > self._level * SHRUNK:
+            self._level = max(self._level, live)
+            return
+        wait = self._cost_per_unit * live / MAX_DUTY - (self._clock() - self._released_at)
+        if wait > 0:
+            if not self._deferred:
+                self._deferred = True
+                self._defer(wait, self._retry)
+            return
+        t0 = self._clock()
+        self._release()
+        self._released_at = self._clock()
+        self._cost_per_unit = (self._released_at - t0) / max(live, 1)
+        self._level = self._live()
+        self.releases += 1
+
+    def _retry(self) -> None:
+        self._deferred = False
+        self.trim()
+
 
 _trimmer: HeapTrimmer | None = None
 
 
-def trim_heap(now: float | None = None) -> bool:
+def trim_heap() -> bool:
     """Give malloc's free heap pages back to the kernel (glibc ``malloc_trim(0)``, which also releases
     free pages inside the heap, not only at its top), after the interpreter's free lists when the live
     heap has shrunk (:class:`HeapTrimmer`). False where the C library has no such call. It walks the heap:
-    call it after many frees, not per connection."""
+    call it after many frees, not per connection, from the event loop's thread."""
     global _trimmer
     if _trimmer is None:
         _trimmer = HeapTrimmer()
-    return _trimmer.trim(time.monotonic() if now is None else now)
+    return _trimmer.trim()
