@@ -459,6 +459,8 @@ def test_cold_start_through_the_chain_answers_within_a_backoff_step_and_delivers
         # connect too).
         assert -0.02 < r["attempt_lag"] < 0.05 + 0.025, r
         # Then the 5 ms of the chain: OK to the gateway, the head and the 256 KiB body to the program, its
-        # answer back through both. Bounded at 4x here: other jobs run on the same two cores.
-        assert r["first_byte_lag"] - r["attempt_lag"] < 0.020, r
-        assert r["first_byte_lag"] < 0.05 + 0.005 + 0.040, r
+        # answer back through both. Bounded at 8x here: other jobs run on the same two cores (29 ms was
+        # seen at a load average of 7 on both this and the tree before it; a retry timer gone wrong is
+        # hundreds of ms).
+        assert r["first_byte_lag"] - r["attempt_lag"] < 0.040, r
+        assert r["first_byte_lag"] < 0.05 + 0.025 + 0.040, r
