@@ -61,8 +61,8 @@ class ForwarderSettings(BaseSettings):
     takeover_timeout: float = Field(
         30.0, gt=0, le=600, description="how long either side of a takeover waits for the other's next message")
     takeover_move_ktls: bool = Field(
-        False, description="ktls plane: move live tunnels to the new process at a takeover (both must set it); "
-                           "off: they stay with the old one until they end. Not yet verified end to end")
+        True, description="ktls plane: move live tunnels to the new process at a takeover (both must set it); "
+                          "off: they stay with the old one until they end")
 
     # The idle feed (docs/scheduler-api.md, "The idle feed"). Unset feed_url: no feed.
     feed_url: str | None = Field(None, description="https URL of the scheduler's POST /v1/feed")
