@@ -6,7 +6,8 @@
 # tests do not report, this FAILS with the reason: a kTLS test is never skipped silently.
 #   KTLS_VM_TIMEOUT  seconds for the whole VM run (default 480)
 #   KTLS_XFER_MIB    MiB each way for the large transfer tests (default 64; the issue needs >= 64)
-#   KTLS_TAKEOVER    1: also run tests/ingress/planes/test_ktls_takeover.py (not yet seen to finish in the VM)
+#   KTLS_TAKEOVER    1: also run tests/ingress/planes/test_ktls_takeover.py (9-13 minutes more in the VM:
+#                    set KTLS_VM_TIMEOUT=1800)
 #   KTLS_TAKEOVER_TUNNELS, KTLS_TAKEOVER_TICK_S  that test's long tunnels and arrival interval (its defaults if unset)
 # The takeover test's processes' logs and steps are kept in /tmp/sbxnet-ktls-last-trace/ (written as they
 # come, so a run cut short by the time limit shows where it was).
