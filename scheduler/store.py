@@ -485,8 +485,7 @@ def refresh_core(core: TimerCore, tx: Tx, sandboxes: Collection[str]) -> None:
     version is not the one ``core`` holds (``Tx.lock_versions``, then ``Tx.lock`` of those): with one
     writer the core holds every version already, and nothing but versions is read."""
     versions = tx.lock_versions(sandboxes)
-    stored = core.stored_version
-    stale = [sid for sid in sandboxes if (v := stored(sid)) is None or versions.get(sid) != v]
+    stale = core.not_stored_at(sandboxes, versions)
     if stale:
         present = [sid for sid in stale if sid in versions]
         sync_core(core, stale, tx.lock(present) if present else {})

@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple
@@ -352,6 +352,17 @@ class TimerCore:
         ``mark_stored``); None when unknown: changed since, or not registered here."""
         sb = self._sandboxes.get(sandbox)
         return None if sb is None else sb.stored
+
+    def not_stored_at(self, sandboxes: Iterable[str], versions: Mapping[str, int]) -> list[str]:
+        """Those of ``sandboxes`` whose ``stored_version`` is unknown or not the one ``versions`` gives
+        (what a store read of the rows' versions says), in order: the rows to read in full."""
+        get = self._sandboxes.get
+        out: list[str] = []
+        for sid in sandboxes:
+            sb = get(sid)
+            if sb is None or sb.stored is None or versions.get(sid) != sb.stored:
+                out.append(sid)
+        return out
 
     def mark_stored(self, sandboxes: Iterable[str], version: int) -> None:
         """These sandboxes' rows were written, as the core holds them now, with ``version`` (after the

@@ -294,6 +294,17 @@ def test_rows_to_write_parts_the_sandboxes_as_state_and_counts_changed_say() -> 
     assert all(core.counts_changed(sid) for sid in counted) and not any(core.counts_changed(s) for s in traffic)
 
 
+def test_not_stored_at_names_the_sandboxes_whose_stored_version_is_not_the_given_one() -> None:
+    core = TimerCore()
+    for i in range(4):
+        core.restore(SandboxConfig(f"sbx-{i}", "inc-1", 10.0, registered_at=0.0), SandboxState(0.0, ACTIVE, 0.0), 5)
+    core.on_report("sbx-2", 1, 1, 0, 1.0, 1.0)  # changed since: its stored version is unknown
+    versions = {"sbx-0": 5, "sbx-1": 6, "sbx-2": 5, "nope": 5}  # sbx-3: not in the store's answer
+    order = ["nope", "sbx-3", "sbx-2", "sbx-1", "sbx-0"]
+    expected = [s for s in order if core.stored_version(s) is None or versions.get(s) != core.stored_version(s)]
+    assert core.not_stored_at(order, versions) == expected == ["nope", "sbx-3", "sbx-2", "sbx-1"]
+
+
 def test_connections_policy_open_report_wakes_an_idle_sandbox() -> None:
     core = core_with(period=10.0, activity=Activity.CONNECTIONS)
     go_idle(core)
