@@ -3,27 +3,49 @@
 ``server ADDR``: in the internet namespace, a UDP echo on port 7 and a TCP service on 5001 (``up N``:
 read N bytes, answer their SHA-256; ``down N SEED``: send N bytes of a seeded stream). Prints ``ready``.
 The client commands run in the guest namespace and print one JSON line: ``ping ADDR`` (three ICMP
-echoes, raw socket), ``udp ADDR``, ``tcp-up ADDR N``, ``tcp-down ADDR N SEED`` (also the longest wait between two reads,
-``max_gap``, and when it ended, ``max_gap_end``, by ``time.monotonic()``), ``forge SRC ADDR PORT``
-(a UDP datagram with a forged source, through a raw socket).
+echoes, raw socket), ``udp ADDR``, ``tcp-up ADDR N`` (also the socket's ``IP_MTU`` at the end),
+``tcp-down ADDR N SEED`` (also the longest wait between two reads, ``max_gap``, and when it ended,
+``max_gap_end``, by ``time.monotonic()``), ``forge SRC ADDR PORT`` (a UDP datagram with a forged source,
+through a raw socket), ``udp-flows ADDR N`` (one datagram from each of N sockets: which were echoed),
+``tcp-connect ADDR TIMEOUT`` and ``pmtu-udp ADDR SIZE`` (DF datagrams until the socket's error queue
+holds the path's MTU: the ICMP's type, code, MTU and sender). The seeded streams are made and hashed a
+chunk at a time, so 256 MiB is never held whole.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import random
+import select
 import socket
 import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 CHUNK = 1 << 16
+IP_MTU = 14  # <linux/in.h>; Python's socket module does not name it
+IP_MTU_DISCOVER, IP_PMTUDISC_DO, IP_RECVERR = 10, 2, 11
+SO_EE = struct.Struct("=IBBBBII")  # struct sock_extended_err: errno origin type code pad info data
 
 
-def stream_bytes(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
+def stream_chunks(n: int, seed: int) -> Iterator[bytes]:
+    """The seeded stream of ``n`` bytes, a chunk at a time (a 256 MiB transfer is never held whole)."""
+    r = random.Random(seed)
+    while n > 0:
+        chunk = r.randbytes(min(CHUNK, n))
+        n -= len(chunk)
+        yield chunk
+
+
+def stream_digest(n: int, seed: int) -> str:
+    h = hashlib.sha256()
+    for chunk in stream_chunks(n, seed):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def checksum(data: bytes) -> int:
@@ -59,7 +81,8 @@ def serve(addr: str) -> None:
                     n -= len(chunk)
                 c.sendall(h.hexdigest().encode() + b"\n")
             elif words[0] == b"down":
-                c.sendall(stream_bytes(int(words[1]), int(words[2])))
+                for chunk in stream_chunks(int(words[1]), int(words[2])):
+                    c.sendall(chunk)
 
     threading.Thread(target=echo, daemon=True).start()
     print("ready", flush=True)
@@ -104,12 +127,15 @@ def client(argv: list[str]) -> dict[str, object]:
                 pass
         return {"replies": replies}
     if cmd == "tcp-up":
-        n = int(argv[2])
-        data = stream_bytes(n, 12)
+        n, h = int(argv[2]), hashlib.sha256()
         with socket.create_connection((addr, 5001), timeout=30) as c:
-            c.sendall(f"up {n}\n".encode() + data)
+            c.sendall(f"up {n}\n".encode())
+            for chunk in stream_chunks(n, 12):
+                h.update(chunk)
+                c.sendall(chunk)
             answer = c.makefile("rb").readline().strip().decode()
-        return {"match": answer == hashlib.sha256(data).hexdigest(), "s": time.monotonic() - t0}
+            mtu = c.getsockopt(socket.IPPROTO_IP, IP_MTU)
+        return {"match": answer == h.hexdigest(), "s": time.monotonic() - t0, "mtu": mtu}
     if cmd == "tcp-down":
         n, seed = int(argv[2]), int(argv[3])
         h, received = hashlib.sha256(), 0
@@ -126,8 +152,55 @@ def client(argv: list[str]) -> dict[str, object]:
                 last = now
                 h.update(chunk)
                 received += len(chunk)
-        return {"match": h.hexdigest() == hashlib.sha256(stream_bytes(n, seed)).hexdigest(), "got": received,
-                "s": time.monotonic() - t0, "max_gap": gap, "max_gap_end": gap_at}
+        took = time.monotonic() - t0  # before the expected digest is worked out
+        return {"match": h.hexdigest() == stream_digest(n, seed), "got": received,
+                "s": took, "max_gap": gap, "max_gap_end": gap_at}
+    if cmd == "udp-flows":
+        # one datagram from each of N sockets (N flows), then which of them were echoed within 2 s
+        socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(int(argv[2]))]
+        for i, s in enumerate(socks):
+            s.sendto(f"flow {i}".encode(), (addr, 7))
+        answered: set[int] = set()
+        end = time.monotonic() + 2
+        while len(answered) < len(socks) and (left := end - time.monotonic()) > 0:
+            ready, _, _ = select.select([s for i, s in enumerate(socks) if i not in answered], [], [], left)
+            for s in ready:
+                data = s.recv(100)
+                answered.add(int(data.split()[1]))
+        return {"answered": sorted(answered)}
+    if cmd == "tcp-connect":
+        try:
+            socket.create_connection((addr, 5001), timeout=float(argv[2])).close()
+            return {"connected": True}
+        except OSError as e:
+            return {"connected": False, "error": type(e).__name__}
+    if cmd == "pmtu-udp":
+        # A datagram of SIZE bytes with DF set (IP_PMTUDISC_DO) until the kernel reports the path's MTU
+        # on the socket's error queue (IP_RECVERR); the ICMP that said so, as the guest's kernel got it.
+        size = int(argv[2])
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        s.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
+        s.connect((addr, 9))
+        errs = select.poll()
+        errs.register(s, 0)  # poll reports POLLERR (a queued error) whatever it is asked for
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            try:
+                s.send(bytes(size))
+            except OSError as e:
+                if e.errno != errno.EMSGSIZE:
+                    raise
+            if errs.poll(500):
+                _, anc, _, _ = s.recvmsg(2048, 512, socket.MSG_ERRQUEUE)
+                for level, kind, data in anc:
+                    if (level, kind) == (socket.IPPROTO_IP, IP_RECVERR):
+                        err, origin, typ, code, _, info, _ = SO_EE.unpack_from(data)
+                        offender = socket.inet_ntoa(data[SO_EE.size + 4 : SO_EE.size + 8])  # sockaddr_in
+                        return {"errno": err, "origin": origin, "type": typ, "code": code, "info": info,
+                                "from": offender, "ip_mtu": s.getsockopt(socket.IPPROTO_IP, IP_MTU),
+                                "s": time.monotonic() - t0}
+        return {"errno": 0, "s": time.monotonic() - t0}
     if cmd == "forge":
         src, port = argv[1], int(argv[3])
         addr = argv[2]
