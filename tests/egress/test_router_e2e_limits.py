@@ -9,9 +9,9 @@ times that span, whatever the load on the machine. The flow still moves (at leas
 and the daemon counts ``byte_rate`` drops. Unlimited, the same upload takes well under a second.
 
 Quota: a claim with 40,000 bytes of quota starts a 1 MiB upload. The daemon refuses the frames that
-would pass the quota (``quota`` drops), never charges past it, and once the quota used stays the same
-from one refusal to the next (less is left than the segment the guest's TCP keeps retrying), nothing more
-of the claim reaches the exit while the guest keeps retransmitting; the upload never completes.
+would pass the quota (``quota`` drops) and never charges past it; once less is left than one full-size
+segment costs (every segment of the upload is full-size), nothing more of the claim reaches the exit
+while the guest keeps retransmitting, and the upload never completes.
 
 Flow cap: a daemon with ``flow_cap`` 8; the guest opens ten UDP flows, one datagram each: the first
 eight are echoed, the other two refused (``flow_cap``), and a TCP connection after them never opens.
@@ -81,18 +81,17 @@ def test_a_quota_stops_the_claims_traffic_once_used(net: Net) -> None:  # noqa: 
     before = net.counter("from_claim")
     upload = net.ns_python(net.guest, str(HERE / "e2e_peer.py"), "tcp-up", SERVER, str(1 << 20))
     s1 = _until("a frame refused for the quota", lambda: (s := _claim(ctl)["stats"])["drops"].get("quota") and s, 30)
-    # After a refusal the guest's TCP retransmits smaller, and what still fits passes; once the quota used
-    # stays the same from one refusal to the next, what is left is less than the segment it keeps retrying.
+    # After a refusal of a large frame the guest's TCP retransmits single segments, and what still fits
+    # passes, until less is left than one full-size segment costs: all its segments are full-size.
     deadline = time.monotonic() + 60
-    while (s2 := _refused_again(ctl, s1))["quota_used"] != s1["quota_used"]:
-        assert time.monotonic() < deadline, "the quota used never settled"
-        assert s2["quota_used"] <= quota, s2
-        s1 = s2
+    while quota - s1["quota_used"] >= FULL_PACKET_COST:
+        assert time.monotonic() < deadline, f"the quota was never used up: {s1}"
+        s1 = _refused_again(ctl, s1)
+    assert s1["quota_used"] <= quota, s1
     at_exit = net.counter("from_claim")
     assert at_exit > before, at_exit  # the quota's worth did leave
-    s2 = _refused_again(ctl, s2)  # the guest still trying
-    assert s2["quota_used"] == s1["quota_used"] <= quota, (s1, s2)
-    assert quota - s2["quota_used"] < FULL_PACKET_COST, s2  # used up: not even one full packet is left
+    s2 = _refused_again(ctl, s1)  # the guest still trying, refused
+    assert s2["quota_used"] == s1["quota_used"], (s1, s2)
     assert net.counter("from_claim") == at_exit  # nothing more reached the exit
     assert upload.poll() is None  # the upload never completes
     stopped = _stop(d)["claims"]["c1"]
