@@ -26,8 +26,11 @@ Descriptors: a hop holds two per tunnel. Where RLIMIT_NOFILE's hard limit cannot
 process (an unprivileged container: 20,000 here, not raisable), each arm is split over the fewest
 processes that can, the same number for both: forwarder ``workers`` and HAProxy instances sharing the
 port (SO_REUSEPORT). The per-tunnel figure is (held - baseline) summed over the arm's processes, over the
-tunnels. The ktls plane runs only where ``forwarder.ingress.planes.ktls_keys.probe()`` says the kernel can
-carry TLS; elsewhere it is reported as not measured, with the probe's reason.
+tunnels. The ktls plane (arm K, F H K K H F) runs only where ``forwarder.ingress.planes.ktls_keys.probe()``
+says the kernel can carry TLS; elsewhere it is reported as not measured, with the probe's reason. Its
+pipes (two a tunnel) are kernel memory, not in its RSS, and count against ``fs/pipe-user-pages-soft``
+unless the forwarder runs as root with CAP_SYS_RESOURCE (docs/forwarder.md, Memory). Arm K has not yet
+run: no kernel here carries TLS.
 """
 
 from __future__ import annotations
@@ -263,20 +266,21 @@ class Arm:
                 p.wait()
 
 
-def start_forwarder(work: Path, certs: Path, procs: int, per_proc: int) -> Arm:
+def start_forwarder(work: Path, certs: Path, procs: int, per_proc: int, plane: str = "userspace") -> Arm:
     port = hop.free_port()
-    values = hop.forwarder_values(port, certs, workers=procs)
+    values = hop.forwarder_values(port, certs, workers=procs, data_plane=plane)
     values["max_connections"] = per_proc + 64
-    cfg = work / "forwarder-idle.toml"
+    cfg = work / f"forwarder-idle-{plane}.toml"
     cfg.write_text(hop.toml_table("forwarder", values))
-    log = (work / "forwarder-idle.log").open("ab")
+    log = (work / f"forwarder-idle-{plane}.log").open("ab")
     env = dict(os.environ, PYTHONMALLOC="malloc")
     proc = subprocess.Popen([hop.SBXNET, "forwarder", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
                             cwd=ROOT, env=env)
     hop.wait_port(port, proc)
     if procs > 1:
         time.sleep(1.0)  # every worker bound before load arrives
-    return Arm("F", "fwd", port, [proc], hop.Hop("F", port, proc, "fwd"))
+    name = "F" if plane == "userspace" else "K"
+    return Arm(name, "fwd", port, [proc], hop.Hop(name, port, proc, "fwd"))
 
 
 def start_haproxy(work: Path, certs: Path, procs: int, per_proc: int, backend: int) -> Arm:
@@ -424,6 +428,8 @@ def runner_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"RLIMIT_NOFILE {limit}: the holding sandbox cannot hold {args.tunnels} connections")
     procs = max(args.procs, math.ceil((2 * args.tunnels + 256) / limit))
     per_proc = math.ceil(args.tunnels / procs * 1.25)  # SO_REUSEPORT spreads by hash, not evenly
+    k_procs = max(args.procs, math.ceil((6 * args.tunnels + 256) / limit))  # ktls: + 2 pipes a tunnel
+    k_per_proc = math.ceil(args.tunnels / k_procs * 1.25)
     work = Path(tempfile.mkdtemp(prefix="sbxnet-idle-"))
     certs = work / "certs"
     subprocess.run([hop.SBXNET, "certs", "dev", "--dir", str(certs)], check=True, capture_output=True)
@@ -438,9 +444,13 @@ def runner_main(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     try:
         for rnd in range(args.rounds):
-            for a in ("F", "H", "H", "F"):
-                arm = (start_forwarder(work, certs, procs, per_proc) if a == "F"
-                       else start_haproxy(work, certs, procs, per_proc, hold.port))
+            for a in ("F", "H", "K", "K", "H", "F") if probe.ok else ("F", "H", "H", "F"):
+                if a == "H":
+                    arm = start_haproxy(work, certs, procs, per_proc, hold.port)
+                elif a == "K":
+                    arm = start_forwarder(work, certs, k_procs, k_per_proc, plane="ktls")
+                else:
+                    arm = start_forwarder(work, certs, procs, per_proc)
                 try:
                     r = measure(arm, hold, sink if a == "F" else None, certs, args)
                 finally:
@@ -466,11 +476,10 @@ def runner_main(args: argparse.Namespace) -> int:
     names = {
         "F": "our forwarder, userspace plane, PYTHONMALLOC=malloc",
         "H": f"HAProxy {info['haproxy'].split()[2]}, tcp mode, TLS 1.3 terminated, nbthread 1",
+        "K": f"our forwarder, ktls plane ({k_procs} process(es); its pipes are kernel memory, not in RSS)",
     }
     print(report(rows, names, args.tunnels, procs))
-    if probe.ok:
-        print("ktls plane: the kernel can carry TLS here but this script does not yet measure it.")
-    else:
+    if not probe.ok:
         print(f"ktls plane: not measured: this kernel cannot carry TLS ({probe.cause}: {probe.detail}; "
               f"Linux {platform.release()}).")
     return 0
