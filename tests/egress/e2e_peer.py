@@ -1,13 +1,15 @@
 """Both ends of the end-to-end traffic (tests/egress/test_router_e2e.py), run in the namespaces.
 
-``server ADDR``: in the internet namespace, a UDP echo on port 7 and a TCP service on 5001 (``up N``:
+``server ADDR``: in the internet namespace, a UDP echo on port 7, a UDP "who am I" on port 8 (answers
+the source address it saw) and a TCP service on 5001 (``up N``:
 read N bytes, answer their SHA-256; ``down N SEED``: send N bytes of a seeded stream). Prints ``ready``.
 The client commands run in the guest namespace and print one JSON line: ``ping ADDR`` (three ICMP
 echoes, raw socket), ``udp ADDR``, ``tcp-up ADDR N`` (also the socket's ``IP_MTU`` at the end),
 ``tcp-down ADDR N SEED`` (also the longest wait between two reads, ``max_gap``, and when it ended,
 ``max_gap_end``, by ``time.monotonic()``), ``forge SRC ADDR PORT`` (a UDP datagram with a forged source,
 through a raw socket), ``udp-flows ADDR N`` (one datagram from each of N sockets: which were echoed),
-``tcp-connect ADDR TIMEOUT`` and ``pmtu-udp ADDR SIZE`` (DF datagrams until the socket's error queue
+``whoami ADDR SECONDS`` (a datagram to port 8 every 2 ms for that long: the sources the server
+answered it saw), ``tcp-connect ADDR TIMEOUT`` and ``pmtu-udp ADDR SIZE`` (DF datagrams until the socket's error queue
 holds the path's MTU: the ICMP's type, code, MTU and sender). The seeded streams are made and hashed a
 chunk at a time, so 256 MiB is never held whole.
 """
@@ -24,6 +26,7 @@ import struct
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 CHUNK = 1 << 16
@@ -58,6 +61,8 @@ def checksum(data: bytes) -> int:
 def serve(addr: str) -> None:
     u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     u.bind((addr, 7))
+    w = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    w.bind((addr, 8))
     t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     t.bind((addr, 5001))
@@ -84,7 +89,13 @@ def serve(addr: str) -> None:
                 for chunk in stream_chunks(int(words[1]), int(words[2])):
                     c.sendall(chunk)
 
+    def whoami() -> None:
+        while True:
+            _, peer = w.recvfrom(2048)
+            w.sendto(peer[0].encode(), peer)
+
     threading.Thread(target=echo, daemon=True).start()
+    threading.Thread(target=whoami, daemon=True).start()
     print("ready", flush=True)
     while True:
         c, _ = t.accept()
@@ -168,6 +179,18 @@ def client(argv: list[str]) -> dict[str, object]:
                 data = s.recv(100)
                 answered.add(int(data.split()[1]))
         return {"answered": sorted(answered)}
+    if cmd == "whoami":
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setblocking(False)
+        sent, seen = 0, Counter[str]()
+        end = time.monotonic() + float(argv[2])
+        while (now := time.monotonic()) < end + 0.5:  # the last half second only collects the answers
+            if now < end:
+                s.sendto(b"who", (addr, 8))
+                sent += 1
+            if select.select([s], [], [], 0.002)[0]:
+                seen[s.recv(100).decode()] += 1
+        return {"sent": sent, "seen": dict(seen), "t0": t0, "end": end}
     if cmd == "tcp-connect":
         try:
             socket.create_connection((addr, 5001), timeout=float(argv[2])).close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -172,3 +173,20 @@ def four_namespaces(tmp_path: Path) -> Iterator[Net]:
         for ns in made:
             _run("ip", "netns", "del", ns)
 
+
+
+METRICS_PORT = 9467  # the daemon's default; each host namespace has its own loopback
+_SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})? ([-+0-9.eE]+|[+-]?Inf|NaN)$")
+
+
+def scrape_metrics(n: Net, port: int = METRICS_PORT) -> dict[str, float]:
+    """The daemon's /metrics in the host namespace, each sample as ``name{labels}`` -> value (the labels
+    as the exposition writes them, e.g. ``sbxnet_egress_arp_total{kind="answered"}``)."""
+    code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
+    text = _must("ip", "netns", "exec", n.host, sys.executable, "-c", code)
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is not None:
+            got[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return got
