@@ -329,6 +329,31 @@ def test_sighup_reloads_certificates_without_dropping_live_connections(
     assert len(proc.events("reloaded")) == 1 and len(failed) == len(proc.events("reload_failed")) == 1
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.decode().partition("=")[::2] for item in raw.split(b"\0") if item)
+
+
+@pytest.mark.parametrize("given", [None, "pymalloc"])
+def test_the_forwarder_runs_under_malloc_unless_its_environment_names_an_allocator(
+    tmp_path: Path, pki: Pki, procs: list[Proc], monkeypatch: pytest.MonkeyPatch, given: str | None
+) -> None:
+    """``sbxnet forwarder`` starts itself again (the same PID) with PYTHONMALLOC=malloc, so memory held by
+    closed tunnels goes back to the kernel (tests/ingress/test_fwd_memory.py); an allocator the operator
+    chose is kept. Workers inherit it."""
+    if given is None:
+        monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONMALLOC", given)
+    proc = Proc(write_config(tmp_path / "f.toml", pki, workers=2))
+    procs.append(proc)
+    proc.wait_listening()
+    workers = {r["pid"] for r in proc.wait_for("listening", count=2, timeout=20)}
+    assert len(workers) == 2 and proc.p.pid not in workers
+    for pid in (proc.p.pid, *workers):
+        assert environ_of(pid).get("PYTHONMALLOC") == (given or "malloc"), pid
+
+
 def test_two_workers_share_the_port_and_sum_metrics(tmp_path: Path, pki: Pki, procs: list[Proc]) -> None:
     mport = free_port()
     proc = Proc(write_config(tmp_path / "f.toml", pki, metrics_port=mport, workers=2))
