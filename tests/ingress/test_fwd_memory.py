@@ -3,11 +3,11 @@ forwarder at most 64 KiB of RSS each, and once they close its RSS (within 10% of
 descriptors come back, round after round.
 
 The forwarder runs as its own process (``sbxnet forwarder``), as an operator runs it, so its RSS is its
-own; the gateway clients and the sandbox side live in this process. It runs with ``PYTHONMALLOC=malloc``,
-as docs/forwarder.md (Memory) tells operators to: Python's own allocator returns memory only in whole
-1 MiB arenas, and after 2,000 tunnels a few small objects that outlive them keep 10-20 MiB of arenas
-that malloc_trim cannot reach (measured: 73.7, 76.7 and 82.6 MiB after three rounds against a 62.8 MiB
-baseline)."""
+own; the gateway clients and the sandbox side live in this process. The environment names no allocator,
+so the command runs itself under ``PYTHONMALLOC=malloc`` (forwarder/ingress/cli.py, docs/forwarder.md,
+Memory): Python's own allocator returns memory only in whole 1 MiB arenas, and after 2,000 tunnels a few
+small objects that outlive them keep 10-20 MiB of arenas that malloc_trim cannot reach (measured with
+PYTHONMALLOC=pymalloc: 73.7, 76.7 and 82.6 MiB after three rounds against a 62.8 MiB baseline)."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def run_round(proc: Proc, pki: Pki, sandbox: HoldingSandbox, mport: int, clients
 def test_idle_tunnels_cost_little_and_closed_ones_give_memory_back(
     tmp_path: Path, pki: Pki, nofile: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PYTHONMALLOC", "malloc")  # the forwarder's allocator, as documented
+    monkeypatch.delenv("PYTHONMALLOC", raising=False)  # as an operator runs it: the command picks malloc
     mport = free_port()
     proc = Proc(write_config(tmp_path / "f.toml", pki, metrics_port=mport, log_level='"warning"'))
     sandbox = HoldingSandbox()
@@ -218,10 +218,11 @@ def test_idle_tunnels_cost_little_and_closed_ones_give_memory_back(
             assert r.held_fds - base_fds == 2 * TUNNELS, figures  # the gateway's and the sandbox's socket
             assert r.after_fds == base_fds, figures
             assert r.after_rss <= bound, f"RSS after close not within 10% of the cold baseline: {figures}"
-        # Nothing accumulates per round: what one round freed, the next reuses.
+        # Nothing accumulates per round: what one round freed, the next reuses. (After close each round is
+        # held to the bound itself: its figure is the first reading under the bound, not the lowest, so two
+        # rounds' figures differ by when the trim came, not by what was kept.)
         for r in rounds[1:]:
             assert r.held_rss <= first.held_rss * 1.05, figures
-            assert r.after_rss <= first.after_rss * 1.05, figures
     finally:
         for c in clients:
             c.close()
