@@ -43,15 +43,15 @@ sys.path.insert(0, str(ROOT / "tests" / "egress"))
 sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402  (four_namespaces skips with pytest.skip where namespaces cannot be made)
-from netns_support import CLAIM, HOST_IP, SERVER, Net, _readline, four_namespaces  # noqa: E402
+from netns_support import CLAIM, HOST_IP, SERVER, Net, _readline, four_namespaces, scrape_metrics  # noqa: E402
 from test_router_e2e_control import _daemon, _relay, _stop  # noqa: E402
 
 from forwarder.egress.router.control_client import call  # noqa: E402
 
 GIB = 1 << 30
 PYSPY = Path("/tmp/pyspy-venv/bin/py-spy")
-METRIC = re.compile(r'^(sbxnet_egress_\w+?)(?:_total)?\{([^}]*)\} ([0-9.e+]+)$')
-SCRAPE = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9467/metrics').read().decode())"
+METRIC = re.compile(r'^(sbxnet_egress_\w+?)(?:_total)?\{(?:claim="[^"]*",)?\w+="([^"]*)"\}$')
+KEPT = {f"sbxnet_egress_{m}" for m in ("frames", "packets", "bytes", "datagrams", "socket_events", "drops")}
 
 
 def _cpu_s(pid: int) -> float:
@@ -61,18 +61,11 @@ def _cpu_s(pid: int) -> float:
 
 def _counters(n: Net) -> Counter[str]:
     """The daemon's counters this benchmark reads, from its /metrics (host namespace, 127.0.0.1:9467)."""
-    r = subprocess.run(["ip", "netns", "exec", n.host, sys.executable, "-c", SCRAPE], capture_output=True,
-                       text=True, timeout=30, check=True)
     got: Counter[str] = Counter()
-    for line in r.stdout.splitlines():
-        m = METRIC.match(line)
-        if m is None:
-            continue
-        name, labels, value = m.group(1), dict(kv.split("=", 1) for kv in m.group(2).split(",")), float(m.group(3))
-        label = labels.get("direction") or labels.get("event") or labels.get("reason")
-        if name in ("sbxnet_egress_frames", "sbxnet_egress_packets", "sbxnet_egress_bytes",
-                    "sbxnet_egress_datagrams", "sbxnet_egress_socket_events", "sbxnet_egress_drops"):
-            got[f"{name.removeprefix('sbxnet_egress_')}_{(label or '').strip(chr(34))}"] += int(value)
+    for sample, value in scrape_metrics(n).items():
+        m = METRIC.match(sample)
+        if m is not None and m.group(1) in KEPT:
+            got[f"{m.group(1).removeprefix('sbxnet_egress_')}_{m.group(2)}"] += int(value)
     return got
 
 
