@@ -50,3 +50,21 @@ def test_recv_batch_gives_each_datagram_its_slot_length_and_source() -> None:
         a.close()
         b.close()
         vx.close()
+
+
+def test_the_source_cache_stays_bounded_whoever_sends() -> None:
+    vx = VxlanSocket("127.0.0.1", 0, slots=64, buffer_bytes=1 << 20)
+    port = vx.sock.getsockname()[1]
+    try:
+        seen: set[str] = set()
+        for k in range(300):  # 300 distinct loopback sources, more than the cache keeps
+            addr = f"127.0.{1 + k // 250}.{1 + k % 250}"
+            with _sender(addr) as s:
+                s.sendto(b"x", ("127.0.0.1", port))
+            if k % 50 == 49:
+                seen.update(host for _, _, host in vx.recv_batch())
+        seen.update(host for _, _, host in vx.recv_batch())
+        assert len(seen) == 300  # every source still reported right
+        assert len(vx._hosts) <= 256
+    finally:
+        vx.close()

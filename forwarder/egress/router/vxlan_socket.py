@@ -44,6 +44,7 @@ _MMSG = _ffi.sizeof("struct mmsghdr")
 _LEN_AT = _ffi.offsetof("struct mmsghdr", "msg_len")
 _FLAGS_AT = _ffi.offsetof("struct msghdr", "msg_flags")
 _NAME = 16  # struct sockaddr_in
+_HOSTS_KEPT = 256  # sources whose dotted quad is kept: the exits' VTEPs, which come first and stay
 
 
 class VxlanSocket:
@@ -111,7 +112,9 @@ class VxlanSocket:
             a = addrs[i * 4 + 1]
             host = hosts.get(a)
             if host is None:
-                host = hosts[a] = socket.inet_ntoa(a.to_bytes(4, sys.byteorder))
+                host = socket.inet_ntoa(a.to_bytes(4, sys.byteorder))
+                if len(hosts) < _HOSTS_KEPT:  # any address may send to us: the cache must not grow with them
+                    hosts[a] = host
             got.append((i * SLOT, words[i * step + len_w], host))
         self.counts["datagrams_in"] += len(got)
         return got
