@@ -6,7 +6,8 @@
 #   bench/run_on_big_machine.sh [OUT_DIR]      (default: bench-results-<host>-<UTC time>)
 #
 # OUT_DIR then holds bench.md (the tables), bench.json (every trial, the machine), bench.png (the chart),
-# machine.txt (lscpu, the kernel's ULPs, versions) and run.log (this script's whole output).
+# machine.txt (lscpu, the kernel's ULPs, versions), splice-threads-N.txt (the splice pump on plain TCP with 1
+# and with nproc pump threads) and run.log (this script's whole output).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench-results-$(hostname -s)-$(date -u +%Y%m%dT%H%M%SZ)}
@@ -31,6 +32,12 @@ echo "== sbxnet bench --full"
 # --budget: no trial starts after 450 s, so the table is done within 8 minutes; what was left is listed.
 rc=0
 .venv/bin/sbxnet bench --full --mib 1024 --budget 450 --out "$out" || rc=$?
+# The plain-TCP splice on 8 tunnels with 1 pump thread and with one per core (issue 11; seconds each).
+for threads in 1 "$(nproc)"; do
+    echo "== splice_vs_haproxy --threads $threads"
+    .venv/bin/python bench/splice_vs_haproxy.py --mib 1024 --rounds 2 --threads "$threads" \
+        > "$out/splice-threads-$threads.txt" 2>&1 || rc=$?
+done
 echo "== done (sbxnet bench exit $rc): $out"
 ls -l "$out"
 exit "$rc"
