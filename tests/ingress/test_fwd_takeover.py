@@ -48,11 +48,12 @@ echo_digests: list[tuple[bytes, int]] = []
 
 
 class Tunnel(threading.Thread):
-    """One long tunnel: sends CHUNK bytes, reads their echo, again, until told to finish; then
-    close_notify + FIN and the rest of the echo. Both ends' digests are checked by the test."""
+    """One long tunnel: sends CHUNK bytes, reads their echo, again (``pause`` s apart), until told to
+    finish; then close_notify + FIN and the rest of the echo. Both ends' digests are checked by the test."""
 
-    def __init__(self, port: int, pki: Pki, app_port: int, seed: int) -> None:
+    def __init__(self, port: int, pki: Pki, app_port: int, seed: int, pause: float = 0.02) -> None:
         super().__init__(daemon=True)
+        self.pause = pause
         self.client = GwClient(port, pki.client_ctx(), timeout=60)
         assert self.client.open(preamble_for(app_port, sandbox_id=f"sbx-long-{seed}")) is Status.OK
         self.seed = seed
@@ -72,7 +73,7 @@ class Tunnel(threading.Thread):
                 self.sent.update(data)
                 self.back.update(self.client.recv_exact(len(data)))
                 self.n += len(data)
-                time.sleep(0.02)
+                time.sleep(self.pause)
             self.client.close_write()
             rest = self.client.recv_all()
             assert rest == b"", rest[:20]
