@@ -469,8 +469,7 @@ class SchedulerService:
         try:
             versions = self.store.versions()
             core = self.core
-            stored = core.stored_version
-            moved = [sid for sid, v in versions.items() if stored(sid) != v]
+            moved = core.not_stored_at(versions, versions)
             gone = [sid for sid in core.ids() if sid not in versions]
             rows = {r.sandbox: r for r in self.store.sandboxes_in(moved)} if moved else {}
             sync_core(core, moved + gone, rows)

@@ -168,10 +168,10 @@ _MIGRATE_4 = (
 )
 
 # The state's columns by table (state_row gives them in STATE_COLUMNS order).
-_TRAFFIC = ("last_activity", "bytes_in", "bytes_out")  # in ``meters``
+_TRAFFIC = METER_COLUMNS[: -len(COUNT_COLUMNS)]  # in ``meters``: last_activity, bytes_in, bytes_out
 _IN_METERS = [i for i, c in enumerate(STATE_COLUMNS) if c in _TRAFFIC]
 _IN_SANDBOXES = [i for i, c in enumerate(STATE_COLUMNS) if c not in _TRAFFIC]
-assert METER_COLUMNS[: len(_TRAFFIC)] == _TRAFFIC and METER_COLUMNS[len(_TRAFFIC) :] == COUNT_COLUMNS
+assert _TRAFFIC == ("last_activity", "bytes_in", "bytes_out")  # the order save_meters writes them in
 _REST = [STATE_COLUMNS[i] for i in _IN_SANDBOXES]
 _JOINED = "sandboxes AS s JOIN meters AS m ON m.sandbox = s.sandbox"
 _ROW_COLS = "s.sandbox, s.registration, s.registered_at, m.row_version, " + ", ".join(
