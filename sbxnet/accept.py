@@ -42,12 +42,24 @@ class Acceptor:
 
     async def stop_accepting(self) -> None:
         """Stop the loop and close the listening socket (new peers are refused by the kernel)."""
+        await self.pause()
+        if self.listener:
+            self.listener.close()
+
+    async def pause(self) -> None:
+        """Stop the loop and keep the listening socket: new peers wait in its backlog (or another
+        process sharing it accepts them) until :meth:`resume`."""
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self.listener:
-            self.listener.close()
+            self._task = None
+
+    def resume(self) -> None:
+        """Accept again on the socket :meth:`pause` kept."""
+        assert self.listener is not None and self.listener.fileno() >= 0, "no listening socket kept"
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name=self._name)
 
     async def drain(self, timeout: float | None) -> int:
         """Let live connections finish up to ``timeout`` (None: however long they take), then cancel the
