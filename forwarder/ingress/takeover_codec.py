@@ -3,8 +3,9 @@
 A running forwarder and the new one that takes its listening sockets over exchange one message per
 datagram of a Unix SOCK_SEQPACKET connection: ``HELLO`` (new -> running), ``OFFER`` (running -> new,
 the descriptors it names ride on it with SCM_RIGHTS), ``READY`` (new -> running: it accepts on them),
-``RELEASED`` (running -> new: it stopped accepting and closed its copies) or ``REFUSED`` (running ->
-new, instead of ``OFFER``). docs/forwarder.md gives the sequence.
+``RELEASED`` (running -> new: it stopped accepting), the ktls plane's ``TUNNEL``, ``ADOPTED`` and
+``COMMIT``, and ``DONE`` (new -> running: it serves from now on, and the running one closes its copies),
+or ``REFUSED`` (running -> new, instead of ``OFFER``). docs/forwarder.md gives the sequence.
 
 Each message is ``SXTK``, a version byte, a kind byte and a JSON object with exactly that kind's keys.
 The peer is trusted only as far as its credentials were checked: every field is checked for type and
@@ -47,6 +48,7 @@ class Kind(enum.IntEnum):
     TUNNEL = 6
     ADOPTED = 7
     COMMIT = 8
+    DONE = 9
 
 
 @dataclass(frozen=True)
@@ -105,14 +107,19 @@ class Commit:
 
 
 @dataclass(frozen=True)
+class Done:
+    pid: int  # the new process: it has what it was given, and serves the listener from now on
+
+
+@dataclass(frozen=True)
 class Refused:
     reason: str  # a token: busy, draining, ...
 
 
-Message = Hello | Offer | Ready | Released | Refused | Tunnel | Adopted | Commit
+Message = Hello | Offer | Ready | Released | Refused | Tunnel | Adopted | Commit | Done
 
 _KIND = {Hello: Kind.HELLO, Offer: Kind.OFFER, Ready: Kind.READY, Released: Kind.RELEASED, Refused: Kind.REFUSED,
-         Tunnel: Kind.TUNNEL, Adopted: Kind.ADOPTED, Commit: Kind.COMMIT}
+         Tunnel: Kind.TUNNEL, Adopted: Kind.ADOPTED, Commit: Kind.COMMIT, Done: Kind.DONE}
 _TYPE = {kind: cls for cls, kind in _KIND.items()}
 
 
@@ -170,6 +177,8 @@ def pull_message(data: bytes) -> Message:
         return Adopted(_conn_id(body))
     if kind is Kind.COMMIT:
         return Commit(_int(body, "count", 0, MAX_COUNT))
+    if kind is Kind.DONE:
+        return Done(_int(body, "pid", 1, MAX_PID))
     return Refused(_text(body, "reason"))
 
 

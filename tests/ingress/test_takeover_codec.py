@@ -21,6 +21,7 @@ from forwarder.ingress.takeover_codec import (
     VERSION,
     Adopted,
     Commit,
+    Done,
     Hello,
     Kind,
     Message,
@@ -51,6 +52,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Tunnel, conn_ids, texts, st.integers(0, MAX_COUNT), pump_states),
     st.builds(Adopted, conn_ids),
     st.builds(Commit, st.integers(0, MAX_COUNT)),
+    st.builds(Done, pids),
 )
 PUMP = {"up_pipe_bytes": 5, "down_pipe_bytes": 0, "flags": 1, "evflags": 1, "close_timeout_ms": 30000,
         "close_left_ms": -1, "dir_state": 0, "bytes_up": 10, "bytes_down": 2}
@@ -83,6 +85,9 @@ SEEDS: list[tuple[str, str, bytes]] = [
     ("ok", "tunnel", raw(Kind.TUNNEL, {"conn_id": CID, "sandbox_id": "sbx-1", "head": 0, "pump": PUMP})),
     ("ok", "adopted", raw(Kind.ADOPTED, {"conn_id": CID})),
     ("ok", "commit", raw(Kind.COMMIT, {"count": 3})),
+    ("ok", "done", raw(Kind.DONE, {"pid": 9})),
+    ("bad_field", "done-pid-zero", raw(Kind.DONE, {"pid": 0})),
+    ("bad_field", "done-count-not-pid", raw(Kind.DONE, {"count": 3})),
     ("bad_field", "ready-tunnels-int", raw(Kind.READY, {"pid": 9, "tunnels": 1})),
     ("bad_field", "tunnel-conn-id-upper", raw(Kind.TUNNEL, {"conn_id": CID.upper(), "sandbox_id": "s", "head": 0,
                                                              "pump": PUMP})),
@@ -104,7 +109,7 @@ SEEDS: list[tuple[str, str, bytes]] = [
     ("bad_magic", "http", b"GET / HTTP/1.1\r\n\r\n"),
     ("bad_version", "version-2", raw(Kind.HELLO, {"pid": 1}, version=2)),
     ("bad_kind", "kind-0", raw(0, {"pid": 1})),
-    ("bad_kind", "kind-9", raw(9, {"pid": 1})),
+    ("bad_kind", "kind-10", raw(10, {"pid": 1})),
     ("ok", "at-limit", raw(Kind.REFUSED, {"reason": "x"}).ljust(MAX_MESSAGE)),  # JSON takes trailing spaces
     ("too_long", "one-over", raw(Kind.REFUSED, {"reason": "x"}).ljust(MAX_MESSAGE + 1)),
     ("bad_json", "nan", raw(Kind.HELLO, '{"pid": NaN}')),
