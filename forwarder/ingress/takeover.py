@@ -417,13 +417,18 @@ def _wake(fut: asyncio.Future[None]) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (dead, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc to ask: the signal check stands
+    return stat_line[stat_line.rindex(")") + 2:][:1] not in ("Z", "X")
 
 
 async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, maxfds: int) -> tuple[bytes, list[int], int]:
