@@ -144,6 +144,7 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
         except TakeoverFailed as e:
             print(f"forwarder: {e.detail}", file=sys.stderr)
             return 1
+    stepped_back = asyncio.Event()  # this process's takeover failed: it serves what it has, then exits 1
     # The ops endpoints come up first: /healthz answers as soon as the process is alive, and /readyz
     # says 503 until the listener is up, so an orchestrator never sees a port with no health to ask.
     # A process taking over binds them once the running one has closed its own (after RELEASED).
@@ -164,16 +165,30 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
         # this line took no connection, and the running one (still accepting) never stopped.
         adopts = server.plane.name == "ktls" and settings.takeover_move_ktls
         announce_ready(taken, tunnels=adopts)
-        released = await finish_takeover(taken, settings.takeover_timeout, server if adopts else None)
-        log.info("took over the listener", extra={"event": "takeover_done", "fields": {
-            "from_pid": taken.offer.pid, "stream": taken.offer.stream,
-            "old_kept_connections": released.open_connections if released else None,
-            "tunnels_moved": released.moving if released else 0,
-            "released": released is not None}})
+        finished = await finish_takeover(taken, settings.takeover_timeout, server if adopts else None)
+        released = finished.released
         stream = taken.offer.stream
-        control_sock = taken.control
-        if want_ops:
-            ops_server = await _start_ops(settings, server)  # absent on failure: the tunnels matter more
+        if finished.serving:
+            log.info("took over the listener", extra={"event": "takeover_done", "fields": {
+                "from_pid": taken.offer.pid, "stream": stream,
+                "old_kept_connections": released.open_connections if released else None,
+                "tunnels_moved": released.moving if released else 0,
+                "released": released is not None}})
+            control_sock = taken.control
+            if want_ops:
+                ops_server = await _start_ops(settings, server)  # absent on failure: the tunnels matter more
+        else:
+            # The running one lives and serves everything again: this one accepts no more, keeps what it
+            # accepted since its READY until that ends, and exits 1.
+            await server.release()
+            server.let_go()
+            if taken.control is not None:
+                taken.control.close()
+            stepped_back.set()
+            log.error("the takeover did not finish; the running forwarder serves on, this one steps back",
+                      extra={"event": "takeover_abandoned", "fields": {
+                          "from_pid": taken.offer.pid, "released": released is not None,
+                          "open": server.open_connections}})
     control = None
     if control_sock is not None:
         own_stream = stream
@@ -195,6 +210,12 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
                 ops_server = None
             return kept
 
+        async def resume() -> None:
+            nonlocal ops_server
+            server.resume()
+            if want_ops and ops_server is None:
+                ops_server = await _start_ops(settings, server)  # absent on failure: serving matters more
+
         # The ktls plane moves its live tunnels to a new process that can adopt them (their TLS state is
         # in the kernel), where both set takeover_move_ktls; userspace tunnels stay here until they end.
         mover: TunnelMover | None = None
@@ -203,8 +224,8 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
 
             assert isinstance(server.plane, KtlsPlane)
             mover = server.plane
-        control = ControlServer(control_sock, offer=offer, release=release, timeout=settings.takeover_timeout,
-                                mover=mover)
+        control = ControlServer(control_sock, offer=offer, release=release, resume=resume, let_go=server.let_go,
+                                timeout=settings.takeover_timeout, mover=mover)
         control.start()
         log.info("takeover control socket up", extra={"event": "takeover_listening",
                                                        "fields": {"path": str(settings.takeover_socket)}})
@@ -227,8 +248,9 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload)
-    taken_over = control.taken_over if control is not None else asyncio.Event()
-    await _first(stop.wait(), taken_over.wait())
+    taken_over = control.taken_over if control is not None else stepped_back
+    if not stepped_back.is_set():
+        await _first(stop.wait(), taken_over.wait())
     if taken_over.is_set():
         log.info("keeping the live connections until they end", extra={
             "event": "lingering", "fields": {"open": server.open_connections}})
@@ -248,8 +270,9 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
         await ops_server.close()
     up, down = server.meter.totals()
     log.info("stopped", extra={"event": "stopped", "fields": {
-        "cut": cut, "taken_over": taken_over.is_set(), "bytes_up": up, "bytes_down": down}})
-    return 0
+        "cut": cut, "taken_over": control is not None and control.taken_over.is_set(),
+        "stepped_back": stepped_back.is_set(), "bytes_up": up, "bytes_down": down}})
+    return 1 if stepped_back.is_set() else 0
 
 
 async def _first(*aws: Coroutine[Any, Any, Any]) -> None:

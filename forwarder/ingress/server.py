@@ -153,16 +153,29 @@ class ForwarderServer:
         return None if self._draining else self._acceptor.listener
 
     async def release(self) -> int:
-        """Stop accepting and close this process's copy of the listening socket, which another process
-        (the one that took over) accepts on: the socket itself stays open, so no connect is refused, and
-        what waits in its backlog is the other's. Live connections go on. Returns how many there are."""
+        """Stop accepting on the listening socket, which another process (the one taking over) accepts on:
+        the socket stays open here too, so no connect is refused, and what waits in its backlog is the
+        other's. Live connections go on. Returns how many there are. Then :meth:`let_go` (the other
+        has it) or :meth:`resume` (it failed)."""
         self._draining = True
-        await self._acceptor.stop_accepting()
+        await self._acceptor.pause()
         log.info(
             "released the listener",
             extra={"event": "released", "fields": {"open": self._acceptor.open_connections}},
         )
         return self._acceptor.open_connections
+
+    def resume(self) -> None:
+        """Accept again on the socket :meth:`release` kept: a takeover failed after its READY."""
+        self._draining = False
+        self._acceptor.resume()
+        log.info("accepting again", extra={"event": "resumed", "fields": {"open": self._acceptor.open_connections}})
+
+    def let_go(self) -> None:
+        """Close this process's copy of the listening socket :meth:`release` kept: the process that took
+        over serves it."""
+        if self._acceptor.listener is not None:
+            self._acceptor.listener.close()
 
     async def wait_connections(self) -> None:
         """Until every live connection has ended by itself (after :meth:`release`: a takeover's old process

@@ -5,12 +5,15 @@ a peer whose credentials (SO_PEERCRED) are neither root's nor this process's use
 process started with ``sbxnet forwarder --takeover <socket>`` connects and says HELLO; the running one
 answers OFFER with its TLS listener and the control socket's own listener attached (SCM_RIGHTS). The
 new one starts accepting on that very listener and says READY; only then does the running one stop
-accepting and close its copies (and its ops endpoints), answer RELEASED, and keep its live tunnels until
-they end before it exits. The listening socket is never closed, so no connect is refused: until READY
-both processes accept from one backlog, and whatever waits in it after the release is the new one's.
-A new process that dies before READY took nothing: the running one notices the control connection end
-and goes on serving everything. The messages are ``takeover_codec.py``; docs/forwarder.md gives the
-sequence and what the ktls plane will hand over too.
+accepting (and close its ops endpoints) and answer RELEASED; the ktls plane then moves its live tunnels
+(TUNNEL, ADOPTED, COMMIT). The new one says DONE, and only then does the running one close its copies
+of the two listeners, keeping its live tunnels until they end before it exits. The listening socket is
+never closed, so no connect is refused: until READY both processes accept from one backlog, and
+whatever waits in it after the release is the new one's. A new process that dies (or fails) at any
+step before DONE leaves the running one serving everything: before READY it never stopped; after, it
+still holds both listeners, gives back any tunnel not yet committed, and accepts again (and serves its
+ops endpoints again) from the same backlog. The messages are ``takeover_codec.py``; docs/forwarder.md
+gives the sequence.
 
 One process per side: ``takeover_socket`` needs ``workers = 1`` (settings.py).
 """
@@ -40,6 +43,7 @@ from forwarder.ingress.takeover_codec import (
     ROLES,
     Adopted,
     Commit,
+    Done,
     Hello,
     Offer,
     Ready,
@@ -137,16 +141,21 @@ class ControlServer:
     """Serves the control socket: one takeover at a time, each step within ``timeout``.
 
     ``offer()`` gives the OFFER and its descriptors (or a refusal token: ``draining``); ``release()``
-    stops accepting and returns how many tunnels stay. :attr:`taken_over` is set once a new process said
-    READY and the listener was released; from then on this server accepts nothing more.
+    stops accepting, keeping the listening socket, and returns how many tunnels stay; ``resume()``
+    accepts on it again (the takeover failed after READY); ``let_go()`` closes this process's copy (the
+    new process said DONE). :attr:`taken_over` is set at DONE; from then on this server accepts nothing
+    more.
     """
 
     def __init__(self, listener: socket.socket, *, offer: OfferFn, release: Callable[[], Awaitable[int]],
-                 timeout: float, mover: TunnelMover | None = None) -> None:
+                 resume: Callable[[], Awaitable[None]], let_go: Callable[[], None], timeout: float,
+                 mover: TunnelMover | None = None) -> None:
         self.listener = listener
         self._mover = mover
         self._offer = offer
         self._release = release
+        self._resume = resume
+        self._let_go = let_go
         self._timeout = timeout
         self._busy = False
         self._task: asyncio.Task[None] | None = None
@@ -157,11 +166,11 @@ class ControlServer:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="takeover-control")
 
-    async def _stop_accepting(self) -> None:
+    async def _pause(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self.listener.close()
+            self._task = None
 
     async def close(self) -> None:
         """Stop serving and close this process's copy of the listener (the file stays: after a takeover
@@ -239,31 +248,53 @@ class ControlServer:
         ready = pull_message(data)
         if not isinstance(ready, Ready):
             raise TakeoverError("bad_field", f"expected READY, got {type(ready).__name__}")
-        self.taken_over.set()
-        # From here on control connections are the new process's: it serves the same listener.
-        await self._stop_accepting()
+        # Control connections are the new process's now (it serves the same listener); both listeners
+        # stay open here until its DONE, so that a failure from here on leaves this process serving.
+        await self._pause()
         kept = await self._release()
         mover = self._mover if ready.tunnels else None
         moving = mover.detach_all() if mover is not None else []
-        with contextlib.suppress(OSError):
-            conn.send(push_message(Released(os.getpid(), kept - len(moving), len(moving))))
-        log.info("taken over", extra={"event": "taken_over", "fields": {
-            "by_pid": pid, "kept_connections": kept - len(moving), "moving": len(moving)}})
-        if not moving:
-            return
-        assert mover is not None
         try:
-            await self._move(loop, conn, moving)
+            conn.send(push_message(Released(os.getpid(), kept - len(moving), len(moving))))
+            if moving:
+                await self._move(loop, conn, moving)
         except (OSError, TimeoutError, TakeoverError) as e:
             conn.close()  # the new process sees the end before these run here again, and lets go of them
-            back = mover.give_back()
-            self.failures += 1
-            log.warning("moving the tunnels failed; kept here", extra={
-                "event": "takeover_failed", "reason": "tunnels_given_back",
-                "fields": {"error": str(e) or type(e).__name__, "given_back": back}})
+            back = mover.give_back() if mover is not None and moving else 0
+            await self._serve_again("tunnels_given_back" if moving else "io", e, pid, given_back=back)
             return
-        moved = mover.commit_moved()
-        log.info("tunnels moved", extra={"event": "tunnels_moved", "fields": {"moved": moved, "to_pid": pid}})
+        if moving:
+            assert mover is not None
+            moved = mover.commit_moved()  # the new process's from COMMIT on, whatever happens next
+            log.info("tunnels moved", extra={"event": "tunnels_moved", "fields": {"moved": moved, "to_pid": pid}})
+        try:
+            async with asyncio.timeout(self._timeout):
+                data = await loop.sock_recv(conn, MAX_MESSAGE + 1)
+            done = pull_message(data) if data else None
+            if done is not None and not isinstance(done, Done):
+                raise TakeoverError("bad_field", f"expected DONE, got {type(done).__name__}")
+        except (OSError, TimeoutError, TakeoverError) as e:
+            await self._serve_again("no_done", e, pid)
+            return
+        if done is None:
+            await self._serve_again("ended_before_done", None, pid)
+            return
+        self.taken_over.set()
+        self._let_go()
+        self.listener.close()
+        log.info("taken over", extra={"event": "taken_over", "fields": {
+            "by_pid": pid, "kept_connections": kept - len(moving), "moving": len(moving)}})
+
+    async def _serve_again(self, reason: str, error: BaseException | None, pid: int, *, given_back: int = 0) -> None:
+        """The takeover failed after READY: accept on both listeners again, kept open for this."""
+        self.failures += 1
+        await self._resume()
+        self._task = asyncio.create_task(self._loop(), name="takeover-control")
+        fields: dict[str, object] = {"peer_pid": pid, "given_back": given_back}
+        if error is not None:
+            fields["error"] = str(error) or type(error).__name__
+        log.warning("the takeover did not finish; serving on", extra={
+            "event": "takeover_failed", "reason": reason, "fields": fields})
 
     async def _move(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, moving: list[MovingTunnel]) -> None:
         """One TUNNEL (its six descriptors attached) and its ADOPTED at a time, then COMMIT: the point
@@ -359,12 +390,22 @@ def announce_ready(taken: Taken, *, tunnels: bool) -> None:
     taken.conn.send(push_message(Ready(os.getpid(), tunnels)))
 
 
-async def finish_takeover(taken: Taken, timeout: float, receiver: TunnelReceiver | None) -> Released | None:
-    """After READY (this process serves meanwhile): the running one's RELEASED, then the kTLS tunnels it
-    moves, each adopted paused and acknowledged, started at its COMMIT. None if it ended or went silent
-    before RELEASED (it released or died; either way the listener is served here). If it ends before
-    COMMIT, the tunnels adopted so far are dropped while it lives (it gives them back to itself) and
-    started if it is gone (nobody else can serve them)."""
+@dataclass(frozen=True)
+class Finished:
+    """How a takeover ended for the new process. ``serving``: it serves the listener from now on (it said
+    DONE, or the running one is gone); otherwise the running one lives and serves everything again, and
+    this process steps back: it accepts no more and keeps only what it accepted meanwhile."""
+
+    released: Released | None  # None if the running one never said RELEASED
+    serving: bool
+
+
+async def finish_takeover(taken: Taken, timeout: float, receiver: TunnelReceiver | None) -> Finished:
+    """After READY (this process accepts meanwhile): the running one's RELEASED, then the kTLS tunnels it
+    moves, each adopted paused and acknowledged, started at its COMMIT; then DONE, after which the running
+    one lets go of its copies of the listeners. If it ends, goes silent or errs first, the tunnels
+    adopted so far are dropped while it lives (it gives them back to itself and serves on) and started
+    if it is gone (nobody else can serve them)."""
     loop = asyncio.get_running_loop()
     conn = taken.conn
     conn.setblocking(False)
@@ -372,43 +413,53 @@ async def finish_takeover(taken: Taken, timeout: float, receiver: TunnelReceiver
     try:
         async with asyncio.timeout(timeout):
             msg = pull_message((await _recv_fds(loop, conn, 0))[0])
-        released = msg if isinstance(msg, Released) else None
-        if released is None or not released.moving:
-            return released
-        if receiver is None:
-            raise TakeoverError("bad_field", "tunnels sent to a process that said it cannot adopt them")
-        for _ in range(released.moving):
-            async with asyncio.timeout(timeout):
-                data, fds, flags = await _recv_fds(loop, conn, 6)
-            try:
-                tunnel = pull_message(data)
-                if not isinstance(tunnel, Tunnel) or flags & socket.MSG_CTRUNC or len(fds) != 6:
-                    raise TakeoverError("bad_field", "a TUNNEL without its six descriptors")
-                receiver.adopt_tunnel(tunnel, fds)
-            except BaseException:
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                raise
-            conn.send(push_message(Adopted(tunnel.conn_id)))
-        async with asyncio.timeout(timeout):
-            commit = pull_message((await _recv_fds(loop, conn, 0))[0])
-        if not isinstance(commit, Commit) or commit.count != released.moving:
-            raise TakeoverError("bad_field", f"expected COMMIT {released.moving}, got {commit!r}")
-        started = receiver.resume_adopted()
-        log.info("tunnels adopted", extra={"event": "tunnels_adopted", "fields": {"started": started}})
-        return released
+        if not isinstance(msg, Released):
+            raise TakeoverError("bad_field", f"expected RELEASED, got {type(msg).__name__}")
+        released = msg
+        if released.moving:
+            if receiver is None:
+                raise TakeoverError("bad_field", "tunnels sent to a process that said it cannot adopt them")
+            await _adopt(loop, conn, timeout, receiver, released.moving)
+        try:
+            conn.send(push_message(Done(os.getpid())))
+        except OSError:
+            # Past COMMIT the tunnels are ours; whether or not the running one saw this, it has let go
+            # of them. It serves the listener again only if it lives and missed our DONE.
+            return Finished(released, serving=not _alive(taken.offer.pid))
+        return Finished(released, serving=True)
     except (OSError, TimeoutError, TakeoverError) as e:
+        alive = _alive(taken.offer.pid)
         if receiver is not None:
-            if _alive(taken.offer.pid):
-                n, what = receiver.drop_adopted(), "dropped"
-            else:
-                n, what = receiver.resume_adopted(), "started"
+            n, what = (receiver.drop_adopted(), "dropped") if alive else (receiver.resume_adopted(), "started")
             log.warning(f"takeover ended before its commit; adopted tunnels {what}", extra={
                 "event": "takeover_incomplete", "reason": type(e).__name__, "fields": {what: n}})
-        return released
+        return Finished(released, serving=not alive)
     finally:
         conn.close()
+
+
+async def _adopt(loop: asyncio.AbstractEventLoop, conn: socket.socket, timeout: float, receiver: TunnelReceiver,
+                 moving: int) -> None:
+    for _ in range(moving):
+        async with asyncio.timeout(timeout):
+            data, fds, flags = await _recv_fds(loop, conn, 6)
+        try:
+            tunnel = pull_message(data)
+            if not isinstance(tunnel, Tunnel) or flags & socket.MSG_CTRUNC or len(fds) != 6:
+                raise TakeoverError("bad_field", "a TUNNEL without its six descriptors")
+            receiver.adopt_tunnel(tunnel, fds)
+        except BaseException:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        conn.send(push_message(Adopted(tunnel.conn_id)))
+    async with asyncio.timeout(timeout):
+        commit = pull_message((await _recv_fds(loop, conn, 0))[0])
+    if not isinstance(commit, Commit) or commit.count != moving:
+        raise TakeoverError("bad_field", f"expected COMMIT {moving}, got {commit!r}")
+    started = receiver.resume_adopted()
+    log.info("tunnels adopted", extra={"event": "tunnels_adopted", "fields": {"started": started}})
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

@@ -1,7 +1,8 @@
 """Upgrades that drop no tunnel (issue 11 point 4), userspace plane, one process: real ``sbxnet forwarder``
 children. A new one started with ``--takeover`` gets the listening socket from the running one; the old
 one keeps its tunnels until they end and exits; nothing is refused or cut meanwhile, and what each moved
-is accounted exactly. A new process that dies before its READY leaves the old one serving everything."""
+is accounted exactly. A new process that dies before its READY, or after it but before its DONE, leaves
+the old one serving everything."""
 
 from __future__ import annotations
 
@@ -256,12 +257,15 @@ def test_takeover_under_load_refuses_nothing_cuts_nothing_and_accounts_every_byt
 HALF_WAY = r"""
 import os, socket, sys, time
 sys.path.insert(0, sys.argv[2])
-from forwarder.ingress.takeover_codec import MAX_MESSAGE, Hello, push_message
+from forwarder.ingress.takeover_codec import MAX_MESSAGE, Hello, Ready, pull_message, push_message
 c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 c.connect(sys.argv[1])
 c.send(push_message(Hello(os.getpid())))
 data, fds, _, _ = socket.recv_fds(c, MAX_MESSAGE + 1, 4)
 print(len(fds), flush=True)
+if sys.argv[3] == "ready":  # says READY without ever accepting, and waits for RELEASED
+    c.send(push_message(Ready(os.getpid(), False)))
+    print(type(pull_message(c.recv(MAX_MESSAGE + 1))).__name__, flush=True)
 time.sleep(60)
 """
 
@@ -284,7 +288,7 @@ def test_a_new_process_killed_before_ready_leaves_the_old_one_serving_everything
     time.sleep(0.3)
 
     root = Path(__file__).resolve().parents[2]
-    half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(control), str(root)], stdout=subprocess.PIPE)
+    half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(control), str(root), "offer"], stdout=subprocess.PIPE)
     assert half.stdout is not None
     assert half.stdout.readline().strip() == b"2"  # it holds the listener and the control socket
     old.wait_for("takeover_offered")
@@ -315,6 +319,65 @@ def test_a_new_process_killed_before_ready_leaves_the_old_one_serving_everything
     assert not old.events("taken_over") and old.p.poll() is None
 
     # It still takes a takeover afterwards: the control socket is still served.
+    new = Proc(cfg, "--takeover", str(control))
+    procs.append(new)
+    new.wait_for("takeover_done", timeout=60)
+    old.wait_exit(30)
+    assert old.p.returncode == 0
+    c = GwClient(new.port, pki.client_ctx())
+    assert c.open(preamble_for(app.port)) is Status.OK
+    c.close()
+    assert new.stop()[0] == 0
+
+
+def test_a_new_process_killed_after_ready_before_it_finished_leaves_the_old_one_serving_everything(
+    tmp_path: Path, pki: Pki, procs: list[Proc]
+) -> None:
+    """Past READY the running one has stopped accepting, but it keeps its copy of the listener until the
+    new one says DONE: a new process killed in between (here one that never accepts) leaves connects
+    waiting in the backlog, not refused, and the old one takes them and every later one."""
+    from fwd_support import free_port
+
+    control = tmp_path / "control.sock"
+    mport = free_port()
+    cfg = write_config(tmp_path / "f.toml", pki, metrics_port=mport, takeover_socket=f'"{control}"')
+    old = Proc(cfg)
+    procs.append(old)
+    old.wait_listening()
+    old.wait_for("takeover_listening")
+    app = SandboxApp(echo)
+    tunnels = [Tunnel(old.port, pki, app.port, seed) for seed in range(10)]
+    for t in tunnels:
+        t.start()
+    arrivals = Arrivals(old.port, pki, app.port)
+    arrivals.start()
+    time.sleep(0.3)
+
+    root = Path(__file__).resolve().parents[2]
+    half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(control), str(root), "ready"], stdout=subprocess.PIPE)
+    assert half.stdout is not None
+    assert half.stdout.readline().strip() == b"2"
+    assert half.stdout.readline().strip() == b"Released"  # the old one stopped accepting
+    old.wait_for("released")
+    time.sleep(0.3)  # connects arrive meanwhile and wait in the backlog: nobody accepts them
+    half.send_signal(signal.SIGKILL)
+    half.wait(10)
+    (failed,) = old.wait_for("takeover_failed")
+    assert failed["reason"] == "ended_before_done"
+    old.wait_for("resumed")
+    time.sleep(0.5)
+    arrivals.finish()
+    for t in tunnels:
+        t.finish.set()
+    for t in tunnels:
+        t.join(60)
+        assert t.error is None, t.error
+        assert t.sent.digest() == t.back.digest()
+    assert arrivals.failures == [], arrivals.failures[:5]
+    assert arrivals.ok == arrivals.started >= 50
+    assert not old.events("taken_over") and old.p.poll() is None
+    # /readyz says ready again, and it still takes a takeover afterwards.
+    assert http_get(mport, "/readyz")[0] == 200
     new = Proc(cfg, "--takeover", str(control))
     procs.append(new)
     new.wait_for("takeover_done", timeout=60)
