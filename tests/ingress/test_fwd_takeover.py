@@ -23,7 +23,7 @@ import pytest
 from fwd_support import GwClient, Pki, SandboxApp, payload, preamble_for
 from test_fwd_process import SBXNET, Proc, config_port, http_get, procs, write_config
 
-from forwarder.ingress.takeover_codec import MAX_MESSAGE, Hello, Offer, pull_message, push_message
+from forwarder.ingress.takeover_codec import MAX_MESSAGE, Hello, Offer, Ready, pull_message, push_message
 from sbxnet.protocol.status import Status
 
 __all__ = ["procs"]  # the fixture, shared with test_fwd_process
@@ -387,6 +387,61 @@ def test_a_new_process_killed_after_ready_before_it_finished_leaves_the_old_one_
     assert c.open(preamble_for(app.port)) is Status.OK
     c.close()
     assert new.stop()[0] == 0
+
+
+def test_a_new_process_whose_takeover_does_not_finish_steps_back_while_the_running_one_lives(
+    tmp_path: Path, pki: Pki, procs: list[Proc]
+) -> None:
+    """The running side here is this test (alive throughout): it offers a real listener, takes READY and
+    then closes the control link without RELEASED. The new process, which accepted one connection
+    meanwhile, must step back: accept nothing more, serve that connection to its end, exit 1; the
+    listener stays the test's, with what waited in its backlog."""
+    control = tmp_path / "control.sock"
+    cfg = write_config(tmp_path / "f.toml", pki, takeover_socket=f'"{control}"')
+    port = config_port(cfg)
+    lst = socket.socket()
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lst.bind(("127.0.0.1", port))
+    lst.listen(64)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(str(control))
+    srv.listen(1)
+    app = SandboxApp(echo)
+    new = Proc(cfg, "--takeover", str(control))
+    procs.append(new)
+    srv.settimeout(60)
+    conn, _ = srv.accept()
+    conn.settimeout(60)
+    assert isinstance(pull_message(conn.recv(MAX_MESSAGE + 1)), Hello)
+    socket.send_fds(conn, [push_message(Offer(os.getpid(), f"127.0.0.1:{port}", 1, ("tls", "control")))],
+                    [lst.fileno(), srv.fileno()])
+    assert isinstance(pull_message(conn.recv(MAX_MESSAGE + 1)), Ready)
+    early = Tunnel(port, pki, app.port, 1)  # the new one accepts it, READY said
+    early.start()
+    new.wait_for("connected")
+    conn.close()
+    (abandoned,) = new.wait_for("takeover_abandoned", timeout=30)
+    assert abandoned["released"] is False and abandoned["open"] == 1
+    # It accepts no more: a connect now waits in the listener's backlog for us.
+    lst.settimeout(10)
+    waiting = socket.create_connection(("127.0.0.1", port), timeout=10)
+    got, _ = lst.accept()
+    got.close()
+    waiting.close()
+    assert new.p.poll() is None  # still serving the connection it took
+    time.sleep(0.3)
+    early.finish.set()
+    early.join(60)
+    assert early.error is None, early.error
+    assert early.sent.digest() == early.back.digest()
+    new.wait_exit(30)
+    assert new.p.returncode == 1
+    assert not new.events("takeover_done")
+    (stopped,) = new.events("stopped")
+    assert stopped["stepped_back"] is True and stopped["cut"] == 0
+    assert control.exists()  # the running side's path, left alone
+    lst.close()
+    srv.close()
 
 
 def test_a_second_forwarder_on_the_same_control_socket_is_refused(tmp_path: Path, pki: Pki, procs: list[Proc]) -> None:
