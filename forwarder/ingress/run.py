@@ -261,9 +261,10 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
         # After the drain, so what the last connections moved is in the final report.
         await reporter.stop(final_timeout=settings.feed_request_timeout)
     if control is not None:
+        handed = control.taken_over.is_set() or control.handing_over
         await control.close()
-        if not taken_over.is_set() and settings.takeover_socket is not None:
-            # Ours to remove; after a takeover the path is the new process's.
+        if not handed and settings.takeover_socket is not None:
+            # Ours to remove; after a takeover (or stopped during one) the path is the new process's.
             with contextlib.suppress(OSError):
                 os.unlink(settings.takeover_socket)
     if ops_server:

@@ -161,6 +161,7 @@ class ControlServer:
         self._task: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
         self.taken_over = asyncio.Event()
+        self.handing_over = False  # past a READY, before its DONE or the failure that ends it
         self.failures = 0
 
     def start(self) -> None:
@@ -250,6 +251,7 @@ class ControlServer:
             raise TakeoverError("bad_field", f"expected READY, got {type(ready).__name__}")
         # Control connections are the new process's now (it serves the same listener); both listeners
         # stay open here until its DONE, so that a failure from here on leaves this process serving.
+        self.handing_over = True
         await self._pause()
         kept = await self._release()
         mover = self._mover if ready.tunnels else None
@@ -280,6 +282,7 @@ class ControlServer:
             await self._serve_again("ended_before_done", None, pid)
             return
         self.taken_over.set()
+        self.handing_over = False
         self._let_go()
         self.listener.close()
         log.info("taken over", extra={"event": "taken_over", "fields": {
@@ -288,6 +291,7 @@ class ControlServer:
     async def _serve_again(self, reason: str, error: BaseException | None, pid: int, *, given_back: int = 0) -> None:
         """The takeover failed after READY: accept on both listeners again, kept open for this."""
         self.failures += 1
+        self.handing_over = False
         await self._resume()
         self._task = asyncio.create_task(self._loop(), name="takeover-control")
         fields: dict[str, object] = {"peer_pid": pid, "given_back": given_back}

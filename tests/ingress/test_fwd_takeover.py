@@ -389,6 +389,34 @@ def test_a_new_process_killed_after_ready_before_it_finished_leaves_the_old_one_
     assert new.stop()[0] == 0
 
 
+def test_a_running_forwarder_stopped_during_a_takeover_leaves_the_control_path_to_the_new_one(
+    tmp_path: Path, pki: Pki, procs: list[Proc]
+) -> None:
+    """SIGTERM after READY, before DONE: the old one drains and exits, and does not remove the control
+    socket's path, which the new process serves (here a stand-in that holds it after READY)."""
+    control = tmp_path / "control.sock"
+    cfg = write_config(tmp_path / "f.toml", pki, takeover_socket=f'"{control}"')
+    old = Proc(cfg)
+    procs.append(old)
+    old.wait_listening()
+    old.wait_for("takeover_listening")
+    root = Path(__file__).resolve().parents[2]
+    half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(control), str(root), "ready"], stdout=subprocess.PIPE)
+    try:
+        assert half.stdout is not None
+        assert half.stdout.readline().strip() == b"2"
+        assert half.stdout.readline().strip() == b"Released"
+        assert old.stop()[0] == 0
+        assert control.exists()
+        # The path still reaches the listener the stand-in holds.
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.connect(str(control))
+        probe.close()
+    finally:
+        half.kill()
+        half.wait(10)
+
+
 def test_a_new_process_whose_takeover_does_not_finish_steps_back_while_the_running_one_lives(
     tmp_path: Path, pki: Pki, procs: list[Proc]
 ) -> None:
