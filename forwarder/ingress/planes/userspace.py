@@ -1,9 +1,13 @@
 """The ``userspace`` data plane: TLS in user space over the link's memory BIOs, bytes copied.
 
 It is the benchmark's middle stage and the path for kernels without TLS, chosen explicitly. Each
-direction is one task. Sockets are tried before they are waited on (a loop round trip per read costs
-more than the read), reads land in one buffer per loop thread and are copied onward before any await,
-and a send that the peer cannot take yet is waited on before the next read: that is the back-pressure.
+direction is a task while its bytes move; once its socket has nothing to read it parks (``_Tunnel``):
+the task ends and a reader callback on the socket starts a fresh one when bytes come, so an idle
+tunnel holds no task, coroutine or future of its own, only the two callbacks and the task of the
+connection that waits for its end. Sockets are tried before they are waited on (a loop round trip per
+read costs more than the read), reads land in a buffer borrowed for the burst and are copied onward
+before any await, and a send that the peer cannot take yet is waited on before the next read: that
+is the back-pressure.
 Decrypted bytes go to a buffer borrowed from the thread's pool (``memory.py``) while they move and given
 back before the next wait, so an idle tunnel holds no plaintext buffer; OpenSSL releases its own record
 buffers between records (CPython sets SSL_MODE_RELEASE_BUFFERS on every context).
@@ -18,7 +22,7 @@ import contextlib
 import socket
 import ssl
 import time
-from typing import cast
+from typing import Any, cast
 
 from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
@@ -37,19 +41,19 @@ PLAINTEXT_SIZE = 256 * 1024
 RAW_KEEP = 4  # given-back buffers each pool of the loop thread keeps for the next burst
 PLAIN_KEEP = 8
 
-async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write: bool) -> None:
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     fut: asyncio.Future[None] = loop.create_future()
     fd = sock.fileno()
-
-    def wake() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    (loop.add_writer if write else loop.add_reader)(fd, wake)
+    loop.add_writer(fd, _set_done, fut)
     try:
         await fut
     finally:
-        (loop.remove_writer if write else loop.remove_reader)(fd)
+        loop.remove_writer(fd)
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 async def _send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: memoryview) -> None:
@@ -57,12 +61,12 @@ async def _send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: 
         try:
             n = sock.send(data)
         except BlockingIOError:
-            await _ready(loop, sock, write=True)
+            await _writable(loop, sock)
             continue
         data = data[n:]
 
 
-async def _finish(*tasks: asyncio.Task[None]) -> None:
+async def _finish(*tasks: asyncio.Task[Any]) -> None:
     """Cancel ``tasks`` and wait for their ends, each exception retrieved (the outcome is judged before).
 
     ``asyncio.wait``, not ``gather``: a task woken by a gathering future (a ``Future`` subclass) looks up
@@ -78,13 +82,37 @@ async def _finish(*tasks: asyncio.Task[None]) -> None:
             task.exception()
 
 
-class _Drained(asyncio.Event):
-    """Set while the incoming BIO holds no complete record; ``waiting`` once close_notify waits on it."""
+class _Drained:
+    """Set while the incoming BIO holds no complete record; ``waiting`` once close_notify waits on it.
+
+    An ``asyncio.Event`` but for one waiter (the direction that sends close_notify) and with no deque
+    of waiters, which alone cost more than half a KiB per tunnel."""
+
+    __slots__ = ("_set", "_waiter", "waiting")
 
     def __init__(self) -> None:
-        super().__init__()
+        self._set = True
+        self._waiter: asyncio.Future[None] | None = None
         self.waiting = False
-        self.set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> None:
+        if self._set:
+            return
+        if self._waiter is None or self._waiter.done():
+            self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
 
 
 class _Reset(Exception):
@@ -100,6 +128,96 @@ class _TlsFailure(Exception):
     pass
 
 
+_UP, _DOWN = 0, 1
+_RUNNING = object()  # a direction's result while it has not ended
+
+
+class _Tunnel:
+    """The two directions of one tunnel. A direction runs as a task while bytes move; when its socket has
+    nothing to read the task returns False and the direction parks: a reader callback on that socket
+    (``_resume``) starts a new task once it is readable. A direction that ends (True: its orderly end
+    done; or an exception) is recorded in ``results`` and wakes :meth:`until_ended`."""
+
+    __slots__ = ("_h", "_loop", "_parked", "_plane", "_stopped", "_tasks", "_wake", "drained", "results")
+
+    def __init__(self, plane: UserspacePlane, h: Handoff) -> None:
+        self._plane = plane
+        self._h = h
+        self._loop = asyncio.get_running_loop()
+        self.drained = _Drained()
+        self._tasks: list[asyncio.Task[bool] | None] = [None, None]
+        self._parked = [False, False]
+        self.results: list[object] = [_RUNNING, _RUNNING]  # None: ended in order; else the exception
+        self._wake: asyncio.Future[None] | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        self._start(_UP)
+        self._start(_DOWN)
+
+    def _sock(self, d: int) -> socket.socket:
+        return self._h.link.sock if d == _UP else self._h.upstream
+
+    def _start(self, d: int) -> None:
+        plane, h = self._plane, self._h
+        if d == _UP:
+            task = self._loop.create_task(plane._gateway_to_sandbox(h, self.drained), name="up")
+        else:
+            task = self._loop.create_task(plane._sandbox_to_gateway(h, self.drained), name="down")
+        self._tasks[d] = task
+        task.add_done_callback(self._up_done if d == _UP else self._down_done)
+
+    def _up_done(self, task: asyncio.Task[bool]) -> None:
+        self._done(_UP, task)
+
+    def _down_done(self, task: asyncio.Task[bool]) -> None:
+        self._done(_DOWN, task)
+
+    def _done(self, d: int, task: asyncio.Task[bool]) -> None:
+        if self._tasks[d] is task:
+            self._tasks[d] = None
+        if task.cancelled():
+            if self._stopped:
+                return
+            exc: BaseException | None = asyncio.CancelledError()
+        else:
+            exc = task.exception()  # retrieved here, whether or not it is still wanted
+            if self._stopped:
+                return
+            if exc is None and not task.result():
+                self._parked[d] = True
+                self._loop.add_reader(self._sock(d).fileno(), self._resume, d)
+                return
+        self.results[d] = exc
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _resume(self, d: int) -> None:
+        self._loop.remove_reader(self._sock(d).fileno())
+        self._parked[d] = False
+        self._start(d)
+
+    def ended(self) -> int:
+        return sum(r is not _RUNNING for r in self.results)
+
+    async def until_ended(self, count: int) -> None:
+        """Until ``count`` directions have ended."""
+        while self.ended() < count:
+            self._wake = self._loop.create_future()
+            await self._wake
+
+    async def stop(self) -> None:
+        """Unpark both directions and cancel the running ones, waiting for their ends."""
+        self._stopped = True
+        for d in (_UP, _DOWN):
+            if self._parked[d]:
+                self._parked[d] = False
+                self._loop.remove_reader(self._sock(d).fileno())
+        tasks = [t for t in self._tasks if t is not None]
+        if tasks:
+            await _finish(*tasks)
+
+
 class UserspacePlane:
     name = "userspace"
 
@@ -111,36 +229,38 @@ class UserspacePlane:
         pass  # nothing to prepare: TLS stays in user space
 
     async def run(self, h: Handoff) -> Outcome:
-        drained = _Drained()
-        up = asyncio.create_task(self._gateway_to_sandbox(h, drained), name="up")
-        down = asyncio.create_task(self._sandbox_to_gateway(h, drained), name="down")
+        tunnel = _Tunnel(self, h)
         outcome = Outcome.CLOSED
         try:
-            done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-            if pending and all(task.exception() is None for task in done):
+            tunnel.start()
+            await tunnel.until_ended(1)
+            if tunnel.ended() < 2 and all(r is _RUNNING or r is None for r in tunnel.results):
                 # One direction ended in order; the other may keep going for close_timeout.
-                _, pending = await asyncio.wait(pending, timeout=h.close_timeout)
-                if pending:
+                try:
+                    async with asyncio.timeout(h.close_timeout):
+                        await tunnel.until_ended(2)
+                except TimeoutError:
                     outcome = Outcome.CLOSE_TIMEOUT
-            for task in (up, down):
-                if task.done() and (exc := task.exception()) is not None:
+            for exc in tunnel.results:
+                if exc is not _RUNNING and exc is not None:
+                    assert isinstance(exc, BaseException)
                     outcome = self._classify(exc)
-                    self._count_truncation(exc, up)
+                    self._count_truncation(exc, up_ended=tunnel.results[_UP] is None)
                     break
         except asyncio.CancelledError:
             outcome = Outcome.DRAINED
             raise
         finally:
-            await _finish(up, down)
+            await tunnel.stop()
             self._close(h, outcome)
         return outcome
 
-    def _count_truncation(self, exc: BaseException, up: asyncio.Task[None]) -> None:
-        """A gateway side that broke before its close_notify ended the upload (``up`` returns only after
-        it): the stream was cut short, and the sandbox is reset."""
+    def _count_truncation(self, exc: BaseException, *, up_ended: bool) -> None:
+        """A gateway side that broke before its close_notify ended the upload (``up_ended``: the upload
+        ended in order, which it does only after it): the stream was cut short, and the sandbox is reset."""
         if not isinstance(exc, _Reset) or exc.side != "gateway" or self._metrics is None:
             return
-        if up.done() and not up.cancelled() and up.exception() is None:
+        if up_ended:
             return  # close_notify came first: only the other direction was cut
         self._metrics.truncated.labels(self.name, exc.end).inc()
 
@@ -163,11 +283,14 @@ class UserspacePlane:
             abort(h.link.sock)
             abort(h.upstream)
 
-    async def _gateway_to_sandbox(self, h: Handoff, drained: _Drained) -> None:
+    async def _gateway_to_sandbox(self, h: Handoff, drained: _Drained) -> bool:
+        """Gateway to sandbox until the socket has nothing to read (False: the direction parks, holding
+        no buffer) or close_notify came (True, after the sandbox's SHUT_WR)."""
         loop = asyncio.get_running_loop()
         sock, up, meter = h.link.sock, h.upstream, h.meter
         if h.leftover:
-            await self._deliver(loop, up, memoryview(h.leftover), meter)
+            leftover, h.leftover = h.leftover, b""  # delivered once, and not kept for the tunnel's life
+            await self._deliver(loop, up, memoryview(leftover), meter)
         raws = thread_pool(RECV_SIZE, RAW_KEEP)
         plains = thread_pool(PLAINTEXT_SIZE + MAX_RECORD_BODY, PLAIN_KEEP)
         raw: memoryview | None = None
@@ -179,14 +302,7 @@ class UserspacePlane:
                 try:
                     got = sock.recv_into(raw)
                 except BlockingIOError:
-                    # Idle until the socket is readable again: hold no buffer meanwhile.
-                    raws.give(raw)
-                    raw = None
-                    if plain is not None:
-                        plains.give(plain)
-                        plain = None
-                    await _ready(loop, sock, write=False)
-                    continue
+                    return False  # idle until the socket is readable: the buffers go back below
                 except OSError as e:
                     raise _Reset("gateway") from e
                 if not got:
@@ -215,6 +331,7 @@ class UserspacePlane:
         drained.set()
         with contextlib.suppress(OSError):
             up.shutdown(socket.SHUT_WR)
+        return True
 
     async def _decrypt_and_deliver(
         self, loop: asyncio.AbstractEventLoop, h: Handoff, drained: _Drained, plain: memoryview, n: int,
@@ -251,7 +368,9 @@ class UserspacePlane:
             if drained.is_set() or eof:
                 return n, eof
 
-    async def _sandbox_to_gateway(self, h: Handoff, drained: _Drained) -> None:
+    async def _sandbox_to_gateway(self, h: Handoff, drained: _Drained) -> bool:
+        """Sandbox to gateway until the socket has nothing to read (False: the direction parks) or its
+        end of stream, passed on as close_notify and FIN (True)."""
         loop = asyncio.get_running_loop()
         sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
         raws = thread_pool(RECV_SIZE, RAW_KEEP)
@@ -263,10 +382,7 @@ class UserspacePlane:
                 try:
                     n = up.recv_into(raw)
                 except BlockingIOError:
-                    raws.give(raw)
-                    raw = None
-                    await _ready(loop, up, write=False)
-                    continue
+                    return False  # idle until the socket is readable: the buffer goes back below
                 except OSError as e:
                     raise _Reset("sandbox") from e
                 if n == 0:
@@ -297,6 +413,7 @@ class UserspacePlane:
             sock.shutdown(socket.SHUT_WR)
         except OSError as e:
             raise _Reset("gateway") from e
+        return True
 
     @staticmethod
     async def _deliver(loop: asyncio.AbstractEventLoop, up: socket.socket, data: memoryview, meter: ConnMeter) -> None:
