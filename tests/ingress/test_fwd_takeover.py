@@ -270,27 +270,69 @@ time.sleep(60)
 """
 
 
+class Serving:
+    """A running forwarder with a control socket, 10 long tunnels through it and a new connection every
+    TICK_S: what a half-way takeover must leave untouched."""
+
+    def __init__(self, tmp_path: Path, pki: Pki, procs: list[Proc], **extra: object) -> None:
+        self.control = tmp_path / "control.sock"
+        self.pki = pki
+        self.cfg = write_config(tmp_path / "f.toml", pki, takeover_socket=f'"{self.control}"', **extra)
+        self.old = Proc(self.cfg)
+        procs.append(self.old)
+        self.old.wait_listening()
+        self.old.wait_for("takeover_listening")
+        self.app = SandboxApp(echo)
+        self.tunnels = [Tunnel(self.old.port, pki, self.app.port, seed) for seed in range(10)]
+        for t in self.tunnels:
+            t.start()
+        self.arrivals = Arrivals(self.old.port, pki, self.app.port)
+        self.arrivals.start()
+        time.sleep(0.3)
+
+    def half_way(self, stage: str) -> subprocess.Popen[bytes]:
+        """A stand-in new process that takes the offer (and, at ``ready``, says READY and reads RELEASED)."""
+        root = Path(__file__).resolve().parents[2]
+        half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(self.control), str(root), stage],
+                                stdout=subprocess.PIPE)
+        assert half.stdout is not None
+        assert half.stdout.readline().strip() == b"2"  # it holds the listener and the control socket
+        if stage == "ready":
+            assert half.stdout.readline().strip() == b"Released"  # the old one stopped accepting
+        return half
+
+    def all_served(self) -> None:
+        """Every tunnel and arrival served whole by the old process, which was never taken over."""
+        self.arrivals.finish()
+        for t in self.tunnels:
+            t.finish.set()
+        for t in self.tunnels:
+            t.join(60)
+            assert t.error is None, t.error
+            assert t.sent.digest() == t.back.digest()
+        assert self.arrivals.failures == [], self.arrivals.failures[:5]
+        assert self.arrivals.ok == self.arrivals.started >= 50
+        assert not self.old.events("taken_over") and self.old.p.poll() is None
+
+    def still_taken_over(self, procs: list[Proc]) -> None:
+        """The control socket is still served: a real takeover afterwards works."""
+        new = Proc(self.cfg, "--takeover", str(self.control))
+        procs.append(new)
+        new.wait_for("takeover_done", timeout=60)
+        self.old.wait_exit(30)
+        assert self.old.p.returncode == 0
+        c = GwClient(new.port, self.pki.client_ctx())
+        assert c.open(preamble_for(self.app.port)) is Status.OK
+        c.close()
+        assert new.stop()[0] == 0
+
+
 def test_a_new_process_killed_before_ready_leaves_the_old_one_serving_everything(
     tmp_path: Path, pki: Pki, procs: list[Proc]
 ) -> None:
-    control = tmp_path / "control.sock"
-    cfg = write_config(tmp_path / "f.toml", pki, takeover_socket=f'"{control}"')
-    old = Proc(cfg)
-    procs.append(old)
-    old.wait_listening()
-    old.wait_for("takeover_listening")
-    app = SandboxApp(echo)
-    tunnels = [Tunnel(old.port, pki, app.port, seed) for seed in range(10)]
-    for t in tunnels:
-        t.start()
-    arrivals = Arrivals(old.port, pki, app.port)
-    arrivals.start()
-    time.sleep(0.3)
-
-    root = Path(__file__).resolve().parents[2]
-    half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(control), str(root), "offer"], stdout=subprocess.PIPE)
-    assert half.stdout is not None
-    assert half.stdout.readline().strip() == b"2"  # it holds the listener and the control socket
+    run = Serving(tmp_path, pki, procs)
+    old = run.old
+    half = run.half_way("offer")
     old.wait_for("takeover_offered")
     time.sleep(0.3)
     half.send_signal(signal.SIGKILL)
@@ -300,34 +342,15 @@ def test_a_new_process_killed_before_ready_leaves_the_old_one_serving_everything
     time.sleep(0.5)
 
     # A real new process that fails half-way: these settings serve another port than the running one.
-    other = write_config(tmp_path / "other.toml", pki, takeover_socket=f'"{control}"')
-    r = subprocess.run([*SBXNET, "forwarder", "--config", str(other), "--takeover", str(control)],
+    other = write_config(tmp_path / "other.toml", pki, takeover_socket=f'"{run.control}"')
+    r = subprocess.run([*SBXNET, "forwarder", "--config", str(other), "--takeover", str(run.control)],
                        capture_output=True, timeout=60)
     assert r.returncode == 1
     assert f"listens on 127.0.0.1:{old.port}, these settings on 127.0.0.1:{config_port(other)}" in r.stderr.decode()
     assert len(old.wait_for("takeover_failed", count=2)) == 2
     time.sleep(0.5)
-    arrivals.finish()
-    for t in tunnels:
-        t.finish.set()
-    for t in tunnels:
-        t.join(60)
-        assert t.error is None, t.error
-        assert t.sent.digest() == t.back.digest()
-    assert arrivals.failures == [], arrivals.failures[:5]
-    assert arrivals.ok == arrivals.started >= 50
-    assert not old.events("taken_over") and old.p.poll() is None
-
-    # It still takes a takeover afterwards: the control socket is still served.
-    new = Proc(cfg, "--takeover", str(control))
-    procs.append(new)
-    new.wait_for("takeover_done", timeout=60)
-    old.wait_exit(30)
-    assert old.p.returncode == 0
-    c = GwClient(new.port, pki.client_ctx())
-    assert c.open(preamble_for(app.port)) is Status.OK
-    c.close()
-    assert new.stop()[0] == 0
+    run.all_served()
+    run.still_taken_over(procs)
 
 
 def test_a_new_process_killed_after_ready_before_it_finished_leaves_the_old_one_serving_everything(
@@ -338,26 +361,10 @@ def test_a_new_process_killed_after_ready_before_it_finished_leaves_the_old_one_
     waiting in the backlog, not refused, and the old one takes them and every later one."""
     from fwd_support import free_port
 
-    control = tmp_path / "control.sock"
     mport = free_port()
-    cfg = write_config(tmp_path / "f.toml", pki, metrics_port=mport, takeover_socket=f'"{control}"')
-    old = Proc(cfg)
-    procs.append(old)
-    old.wait_listening()
-    old.wait_for("takeover_listening")
-    app = SandboxApp(echo)
-    tunnels = [Tunnel(old.port, pki, app.port, seed) for seed in range(10)]
-    for t in tunnels:
-        t.start()
-    arrivals = Arrivals(old.port, pki, app.port)
-    arrivals.start()
-    time.sleep(0.3)
-
-    root = Path(__file__).resolve().parents[2]
-    half = subprocess.Popen([sys.executable, "-c", HALF_WAY, str(control), str(root), "ready"], stdout=subprocess.PIPE)
-    assert half.stdout is not None
-    assert half.stdout.readline().strip() == b"2"
-    assert half.stdout.readline().strip() == b"Released"  # the old one stopped accepting
+    run = Serving(tmp_path, pki, procs, metrics_port=mport)
+    old = run.old
+    half = run.half_way("ready")
     old.wait_for("released")
     time.sleep(0.3)  # connects arrive meanwhile and wait in the backlog: nobody accepts them
     half.send_signal(signal.SIGKILL)
@@ -366,27 +373,9 @@ def test_a_new_process_killed_after_ready_before_it_finished_leaves_the_old_one_
     assert failed["reason"] == "ended_before_done"
     old.wait_for("resumed")
     time.sleep(0.5)
-    arrivals.finish()
-    for t in tunnels:
-        t.finish.set()
-    for t in tunnels:
-        t.join(60)
-        assert t.error is None, t.error
-        assert t.sent.digest() == t.back.digest()
-    assert arrivals.failures == [], arrivals.failures[:5]
-    assert arrivals.ok == arrivals.started >= 50
-    assert not old.events("taken_over") and old.p.poll() is None
-    # /readyz says ready again, and it still takes a takeover afterwards.
-    assert http_get(mport, "/readyz")[0] == 200
-    new = Proc(cfg, "--takeover", str(control))
-    procs.append(new)
-    new.wait_for("takeover_done", timeout=60)
-    old.wait_exit(30)
-    assert old.p.returncode == 0
-    c = GwClient(new.port, pki.client_ctx())
-    assert c.open(preamble_for(app.port)) is Status.OK
-    c.close()
-    assert new.stop()[0] == 0
+    run.all_served()
+    assert http_get(mport, "/readyz")[0] == 200  # ready again
+    run.still_taken_over(procs)
 
 
 def test_a_running_forwarder_stopped_during_a_takeover_leaves_the_control_path_to_the_new_one(
