@@ -17,6 +17,15 @@ method cache. :func:`trim_heap` releases those first, when the live heap has shr
 :class:`HeapTrimmer`). Python's own allocator gives memory back only in whole 1 MiB arenas, which one live
 object keeps; run with ``PYTHONMALLOC=malloc`` and the tunnels' objects sit in malloc's heap, where
 ``malloc_trim`` returns every free page (``docs/forwarder.md``, Memory).
+
+OpenSSL's memory BIOs keep the buffer of their largest write for the session (they never shrink it):
+the handshake's flights leave about 3 KiB in a tunnel's two, and a burst fed 64 KiB at a time about
+87 KiB in each. :func:`release_bio_buffers` swaps an empty BIO's buffer for a new, empty one. Python's
+``ssl`` exposes neither the ``BIO *`` behind a ``MemoryBIO`` nor the ``SSL *`` behind an ``SSLObject``;
+as ``ktls_keys`` does, we read them where CPython (3.11-3.13) lays them out, right after the object
+header, and use them only once OpenSSL confirms them: the ``SSL *``'s context must be the ``SSL_CTX *``
+of the very ``SSLContext`` Python names, and its read and write BIOs must be the two we read. Anywhere
+else nothing is released, and nothing else changes.
 """
 
 from __future__ import annotations
@@ -26,10 +35,12 @@ import ctypes
 import ctypes.util
 import gc
 import mmap
+import ssl
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 class BufferPool:
@@ -205,6 +216,112 @@ class HeapTrimmer:
 
 
 _trimmer: HeapTrimmer | None = None
+
+BIO_C_SET_BUF_MEM = 114
+BIO_C_GET_BUF_MEM_PTR = 115
+BIO_CLOSE = 1
+BIO_TYPE_MEM = 0x0401  # 1 | BIO_TYPE_SOURCE_SINK
+
+
+class _BufMem(ctypes.Structure):
+    _fields_ = [("length", ctypes.c_size_t), ("data", ctypes.c_void_p), ("max", ctypes.c_size_t),
+                ("flags", ctypes.c_ulong)]
+
+
+class _OpenSsl:
+    """The few OpenSSL calls :func:`release_bio_buffers` makes, resolved through CPython's ``_ssl`` module
+    (so they are those of the OpenSSL it runs on), or ``None`` where they cannot be had."""
+
+    def __init__(self) -> None:
+        import _ssl
+
+        lib = ctypes.CDLL(_ssl.__file__)  # its symbols and those of the libraries it was linked with
+        vp = ctypes.c_void_p
+        self.bio_ctrl = lib.BIO_ctrl
+        self.bio_ctrl.argtypes = [vp, ctypes.c_int, ctypes.c_long, vp]
+        self.bio_ctrl.restype = ctypes.c_long
+        self.bio_method_type = lib.BIO_method_type
+        self.bio_method_type.argtypes = [vp]
+        self.bio_method_type.restype = ctypes.c_int
+        self.buf_mem_new = lib.BUF_MEM_new
+        self.buf_mem_new.argtypes = []
+        self.buf_mem_new.restype = vp
+        self.buf_mem_free = lib.BUF_MEM_free
+        self.buf_mem_free.argtypes = [vp]
+        self.buf_mem_free.restype = None
+        self.ssl_get_ssl_ctx, self.ssl_get_rbio, self.ssl_get_wbio = (
+            lib.SSL_get_SSL_CTX, lib.SSL_get_rbio, lib.SSL_get_wbio)
+        for fn in (self.ssl_get_ssl_ctx, self.ssl_get_rbio, self.ssl_get_wbio):
+            fn.argtypes = [vp]
+            fn.restype = vp
+        self.context_type = _ssl._SSLContext
+        self.socket_type = _ssl._SSLSocket  # type: ignore[attr-defined]
+        self.bio_type = _ssl.MemoryBIO
+
+
+def _openssl() -> _OpenSsl | None:
+    if sys.implementation.name != "cpython" or not (3, 11) <= sys.version_info[:2] <= (3, 13):
+        return None
+    try:
+        lib = _OpenSsl()
+    except (ImportError, OSError, AttributeError):  # no _ssl, or an OpenSSL without these symbols
+        return None
+    if (lib.context_type.__basicsize__ < 24 or lib.socket_type.__basicsize__ < 40
+            or lib.bio_type.__basicsize__ < 24):
+        return None
+    return lib
+
+
+_OPENSSL: _OpenSsl | bool | None = False  # False: not looked up yet
+
+
+def _word(obj: object, i: int) -> int:
+    return ctypes.c_void_p.from_address(id(obj) + i * ctypes.sizeof(ctypes.c_void_p)).value or 0
+
+
+def release_bio_buffers(tls: ssl.SSLObject, bios: tuple[ssl.MemoryBIO, ...], above: int = 0) -> int:
+    """Give back the buffer of each of ``bios`` (``tls``'s incoming and/or outgoing BIO) that holds no
+    byte and whose buffer is larger than ``above`` bytes: it gets a new, empty one, which grows again with
+    the next write. Returns the bytes released; 0 where OpenSSL's objects cannot be reached and checked
+    (see the module's docstring). Call it from the thread that drives ``tls``."""
+    global _OPENSSL
+    if _OPENSSL is False:
+        _OPENSSL = _openssl()
+    lib = _OPENSSL
+    if not isinstance(lib, _OpenSsl):
+        return 0
+    inner: Any = getattr(tls, "_sslobj", None)
+    if type(inner) is not lib.socket_type:
+        return 0
+    ctx = inner.context
+    if not isinstance(ctx, lib.context_type):
+        return 0
+    ssl_p = _word(inner, 3)
+    if not ssl_p or _word(inner, 4) != id(ctx) or lib.ssl_get_ssl_ctx(ssl_p) != _word(ctx, 2):
+        return 0
+    own = (lib.ssl_get_rbio(ssl_p) or 0, lib.ssl_get_wbio(ssl_p) or 0)
+    released = 0
+    for bio in bios:
+        if type(bio) is not lib.bio_type or bio.pending:
+            continue
+        bio_p = _word(bio, 2)
+        if not bio_p or bio_p not in own or lib.bio_method_type(bio_p) != BIO_TYPE_MEM:
+            continue
+        mem = ctypes.c_void_p()
+        if lib.bio_ctrl(bio_p, BIO_C_GET_BUF_MEM_PTR, 0, ctypes.byref(mem)) <= 0 or not mem.value:
+            continue
+        buf = _BufMem.from_address(mem.value)
+        if buf.length or buf.max <= above:
+            continue
+        size = buf.max
+        fresh = lib.buf_mem_new()
+        if not fresh:
+            continue
+        if lib.bio_ctrl(bio_p, BIO_C_SET_BUF_MEM, BIO_CLOSE, fresh) <= 0:  # frees the old buffer
+            lib.buf_mem_free(fresh)
+            continue
+        released += size
+    return released
 
 
 def trim_heap() -> bool:

@@ -10,7 +10,9 @@ before any await, and a send that the peer cannot take yet is waited on before t
 is the back-pressure.
 Decrypted bytes go to a buffer borrowed from the thread's pool (``memory.py``) while they move and given
 back before the next wait, so an idle tunnel holds no plaintext buffer; OpenSSL releases its own record
-buffers between records (CPython sets SSL_MODE_RELEASE_BUFFERS on every context).
+buffers between records (CPython sets SSL_MODE_RELEASE_BUFFERS on every context), and the memory BIOs'
+buffers, which OpenSSL never shrinks, are given back once the handshake is over and whenever a direction
+parks with its BIO grown past ``BIO_KEEP`` (``memory.release_bio_buffers``).
 From the gateway, close_notify ends that direction (FIN to the sandbox, the other direction goes on);
 a TCP FIN without close_notify before it resets both sides, as a reset does.
 """
@@ -27,7 +29,7 @@ from typing import Any, cast
 from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import Handoff, Outcome, abort
-from forwarder.ingress.planes.memory import thread_pool
+from forwarder.ingress.planes.memory import release_bio_buffers, thread_pool
 from forwarder.ingress.tls_link import MAX_RECORD_BODY
 
 RECV_SIZE = 1024 * 1024  # one socket read, into a buffer lent while its bytes move
@@ -40,6 +42,9 @@ FEED_SIZE = 64 * 1024
 PLAINTEXT_SIZE = 256 * 1024
 RAW_KEEP = 4  # given-back buffers each pool of the loop thread keeps for the next burst
 PLAIN_KEEP = 8
+# A direction that parks gives back its BIO's buffer once it has grown past this (a full record: 22 KiB; a
+# 64 KiB slice: 87 KiB); the handshake's size is kept, so small exchanges do not free and grow it again.
+BIO_KEEP = 4 * 1024
 
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     fut: asyncio.Future[None] = loop.create_future()
@@ -187,6 +192,8 @@ class _Tunnel:
             if exc is None and not task.result():
                 self._parked[d] = True
                 self._loop.add_reader(self._sock(d).fileno(), self._resume, d)
+                link = self._h.link
+                release_bio_buffers(link.ssl, (link.incoming if d == _UP else link.outgoing,), BIO_KEEP)
                 return
         self.results[d] = exc
         if self._wake is not None and not self._wake.done():
@@ -232,6 +239,8 @@ class UserspacePlane:
         tunnel = _Tunnel(self, h)
         outcome = Outcome.CLOSED
         try:
+            # The handshake's flights are spent: both BIOs are empty (nothing is buffered at the handoff).
+            release_bio_buffers(h.link.ssl, (h.link.incoming, h.link.outgoing))
             tunnel.start()
             await tunnel.until_ended(1)
             if tunnel.ended() < 2 and all(r is _RUNNING or r is None for r in tunnel.results):
