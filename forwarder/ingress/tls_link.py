@@ -54,7 +54,10 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: in
 
 
 class TlsLink:
-    """A server-side TLS session over ``sock`` (non-blocking). Not thread-safe; one task drives it."""
+    """A server-side TLS session over ``sock`` (non-blocking). Not thread-safe; one task drives it.
+    Slotted: a tunnel holds one for its whole life."""
+
+    __slots__ = ("_first", "_loop", "incoming", "outgoing", "rx_app_records", "sock", "ssl", "tx_app_records")
 
     def __init__(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
         self.sock = sock

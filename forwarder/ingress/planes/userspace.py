@@ -133,7 +133,6 @@ class _TlsFailure(Exception):
     pass
 
 
-_UP, _DOWN = 0, 1
 _RUNNING = object()  # a direction's result while it has not ended
 
 
@@ -141,86 +140,107 @@ class _Tunnel:
     """The two directions of one tunnel. A direction runs as a task while bytes move; when its socket has
     nothing to read the task returns False and the direction parks: a reader callback on that socket
     (``_resume``) starts a new task once it is readable. A direction that ends (True: its orderly end
-    done; or an exception) is recorded in ``results`` and wakes :meth:`until_ended`."""
+    done; or an exception) is recorded (``up_result``, ``down_result``) and wakes the future of :meth:`next_end`.
+    One object with a slot per field, not lists: this is what an idle tunnel holds."""
 
-    __slots__ = ("_h", "_loop", "_parked", "_plane", "_stopped", "_tasks", "_wake", "drained", "results")
+    __slots__ = ("_h", "_loop", "_plane", "_stopped", "_wake", "down_parked", "down_result", "down_task",
+                 "drained", "up_parked", "up_result", "up_task")
 
     def __init__(self, plane: UserspacePlane, h: Handoff) -> None:
         self._plane = plane
         self._h = h
         self._loop = asyncio.get_running_loop()
         self.drained = _Drained()
-        self._tasks: list[asyncio.Task[bool] | None] = [None, None]
-        self._parked = [False, False]
-        self.results: list[object] = [_RUNNING, _RUNNING]  # None: ended in order; else the exception
+        self.up_task: asyncio.Task[bool] | None = None
+        self.down_task: asyncio.Task[bool] | None = None
+        self.up_parked = self.down_parked = False
+        self.up_result: object = _RUNNING  # None: ended in order; else the exception
+        self.down_result: object = _RUNNING
         self._wake: asyncio.Future[None] | None = None
         self._stopped = False
 
     def start(self) -> None:
-        self._start(_UP)
-        self._start(_DOWN)
+        self._start_up()
+        self._start_down()
 
-    def _sock(self, d: int) -> socket.socket:
-        return self._h.link.sock if d == _UP else self._h.upstream
+    def _start_up(self) -> None:
+        self.up_task = self._loop.create_task(self._plane._gateway_to_sandbox(self._h, self.drained), name="up")
+        self.up_task.add_done_callback(self._up_done)
 
-    def _start(self, d: int) -> None:
-        plane, h = self._plane, self._h
-        if d == _UP:
-            task = self._loop.create_task(plane._gateway_to_sandbox(h, self.drained), name="up")
-        else:
-            task = self._loop.create_task(plane._sandbox_to_gateway(h, self.drained), name="down")
-        self._tasks[d] = task
-        task.add_done_callback(self._up_done if d == _UP else self._down_done)
+    def _start_down(self) -> None:
+        self.down_task = self._loop.create_task(self._plane._sandbox_to_gateway(self._h, self.drained), name="down")
+        self.down_task.add_done_callback(self._down_done)
 
     def _up_done(self, task: asyncio.Task[bool]) -> None:
-        self._done(_UP, task)
+        if self.up_task is task:
+            self.up_task = None
+        exc = self._ended(task)
+        if exc is False:
+            self.up_parked = True
+            link = self._h.link
+            self._loop.add_reader(link.sock.fileno(), self._resume_up)
+            release_bio_buffers(link.ssl, (link.incoming,), BIO_KEEP)
+        elif exc is not True:
+            self.up_result = exc
+            self._wake_up()
 
     def _down_done(self, task: asyncio.Task[bool]) -> None:
-        self._done(_DOWN, task)
+        if self.down_task is task:
+            self.down_task = None
+        exc = self._ended(task)
+        if exc is False:
+            self.down_parked = True
+            link = self._h.link
+            self._loop.add_reader(self._h.upstream.fileno(), self._resume_down)
+            release_bio_buffers(link.ssl, (link.outgoing,), BIO_KEEP)
+        elif exc is not True:
+            self.down_result = exc
+            self._wake_up()
 
-    def _done(self, d: int, task: asyncio.Task[bool]) -> None:
-        if self._tasks[d] is task:
-            self._tasks[d] = None
+    def _ended(self, task: asyncio.Task[bool]) -> BaseException | bool | None:
+        """What a direction's task came to: False to park, None (an orderly end) or the exception that
+        ended it, True for nothing to do (the tunnel is stopping). The exception is retrieved either way."""
         if task.cancelled():
-            if self._stopped:
-                return
-            exc: BaseException | None = asyncio.CancelledError()
-        else:
-            exc = task.exception()  # retrieved here, whether or not it is still wanted
-            if self._stopped:
-                return
-            if exc is None and not task.result():
-                self._parked[d] = True
-                self._loop.add_reader(self._sock(d).fileno(), self._resume, d)
-                link = self._h.link
-                release_bio_buffers(link.ssl, (link.incoming if d == _UP else link.outgoing,), BIO_KEEP)
-                return
-        self.results[d] = exc
+            return True if self._stopped else asyncio.CancelledError()
+        exc = task.exception()
+        if self._stopped:
+            return True
+        if exc is None and not task.result():
+            return False
+        return exc
+
+    def _wake_up(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
-    def _resume(self, d: int) -> None:
-        self._loop.remove_reader(self._sock(d).fileno())
-        self._parked[d] = False
-        self._start(d)
+    def _resume_up(self) -> None:
+        self._loop.remove_reader(self._h.link.sock.fileno())
+        self.up_parked = False
+        self._start_up()
+
+    def _resume_down(self) -> None:
+        self._loop.remove_reader(self._h.upstream.fileno())
+        self.down_parked = False
+        self._start_down()
 
     def ended(self) -> int:
-        return sum(r is not _RUNNING for r in self.results)
+        return (self.up_result is not _RUNNING) + (self.down_result is not _RUNNING)
 
-    async def until_ended(self, count: int) -> None:
-        """Until ``count`` directions have ended."""
-        while self.ended() < count:
-            self._wake = self._loop.create_future()
-            await self._wake
+    def next_end(self) -> asyncio.Future[None]:
+        """A future done when a direction ends (or at once, if one did meanwhile: the caller re-checks)."""
+        self._wake = fut = self._loop.create_future()
+        return fut
 
     async def stop(self) -> None:
         """Unpark both directions and cancel the running ones, waiting for their ends."""
         self._stopped = True
-        for d in (_UP, _DOWN):
-            if self._parked[d]:
-                self._parked[d] = False
-                self._loop.remove_reader(self._sock(d).fileno())
-        tasks = [t for t in self._tasks if t is not None]
+        if self.up_parked:
+            self.up_parked = False
+            self._loop.remove_reader(self._h.link.sock.fileno())
+        if self.down_parked:
+            self.down_parked = False
+            self._loop.remove_reader(self._h.upstream.fileno())
+        tasks = [t for t in (self.up_task, self.down_task) if t is not None]
         if tasks:
             await _finish(*tasks)
 
@@ -242,19 +262,22 @@ class UserspacePlane:
             # The handshake's flights are spent: both BIOs are empty (nothing is buffered at the handoff).
             release_bio_buffers(h.link.ssl, (h.link.incoming, h.link.outgoing))
             tunnel.start()
-            await tunnel.until_ended(1)
-            if tunnel.ended() < 2 and all(r is _RUNNING or r is None for r in tunnel.results):
+            while not tunnel.ended():
+                await tunnel.next_end()
+            up, down = tunnel.up_result, tunnel.down_result
+            if tunnel.ended() < 2 and (up is _RUNNING or up is None) and (down is _RUNNING or down is None):
                 # One direction ended in order; the other may keep going for close_timeout.
                 try:
                     async with asyncio.timeout(h.close_timeout):
-                        await tunnel.until_ended(2)
+                        while tunnel.ended() < 2:
+                            await tunnel.next_end()
                 except TimeoutError:
                     outcome = Outcome.CLOSE_TIMEOUT
-            for exc in tunnel.results:
+            for exc in (tunnel.up_result, tunnel.down_result):
                 if exc is not _RUNNING and exc is not None:
                     assert isinstance(exc, BaseException)
                     outcome = self._classify(exc)
-                    self._count_truncation(exc, up_ended=tunnel.results[_UP] is None)
+                    self._count_truncation(exc, up_ended=tunnel.up_result is None)
                     break
         except asyncio.CancelledError:
             outcome = Outcome.DRAINED
