@@ -2,12 +2,12 @@
 
 It is the benchmark's middle stage and the path for kernels without TLS, chosen explicitly. Each
 direction is a task while its bytes move; once its socket has nothing to read it parks (``_Tunnel``):
-the task ends and a reader callback on the socket starts a fresh one when bytes come, so an idle
-tunnel holds no task, coroutine or future of its own, only the two callbacks and the task of the
-connection that waits for its end. Sockets are tried before they are waited on (a loop round trip per
-read costs more than the read), reads land in a buffer borrowed for the burst and are copied onward
-before any await, and a send that the peer cannot take yet is waited on before the next read: that
-is the back-pressure.
+the task ends, the socket waits in the loop's one epoll set for parked sockets
+(``userspace_parking.py``), and a fresh task starts when bytes come, so an idle tunnel holds no task,
+coroutine, future or loop reader of its own, only the task of the connection that waits for its end.
+Sockets are tried before they are waited on (a loop round trip per read costs more than the read),
+reads land in a buffer borrowed for the burst and are copied onward before any await, and a send that
+the peer cannot take yet is waited on before the next read: that is the back-pressure.
 Decrypted bytes go to a buffer borrowed from the thread's pool (``memory.py``) while they move and given
 back before the next wait, so an idle tunnel holds no plaintext buffer; OpenSSL releases its own record
 buffers between records (CPython sets SSL_MODE_RELEASE_BUFFERS on every context), and the memory BIOs'
@@ -30,6 +30,7 @@ from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import Handoff, Outcome, abort
 from forwarder.ingress.planes.memory import release_bio_buffers, thread_pool
+from forwarder.ingress.planes.userspace_parking import parking_lot
 from forwarder.ingress.tls_link import MAX_RECORD_BODY
 
 RECV_SIZE = 1024 * 1024  # one socket read, into a buffer lent while its bytes move
@@ -138,10 +139,11 @@ _RUNNING = object()  # a direction's result while it has not ended
 
 class _Tunnel:
     """The two directions of one tunnel. A direction runs as a task while bytes move; when its socket has
-    nothing to read the task returns False and the direction parks: a reader callback on that socket
-    (``_resume``) starts a new task once it is readable. A direction that ends (True: its orderly end
-    done; or an exception) is recorded (``up_result``, ``down_result``) and wakes the future of :meth:`next_end`.
-    One object with a slot per field, not lists: this is what an idle tunnel holds."""
+    nothing to read the task returns False and the direction parks: its socket waits in the loop's
+    parking lot (``userspace_parking.py``), which calls :meth:`readable` once it is, and a new task
+    starts. A direction that ends (True: its orderly end done; or an exception) is recorded
+    (``up_result``, ``down_result``) and wakes the future of :meth:`next_end`. One object with a slot
+    per field, not lists: this is what an idle tunnel holds."""
 
     __slots__ = ("_h", "_loop", "_plane", "_stopped", "_wake", "down_parked", "down_result", "down_task",
                  "drained", "up_parked", "up_result", "up_task")
@@ -178,7 +180,7 @@ class _Tunnel:
         if exc is False:
             self.up_parked = True
             link = self._h.link
-            self._loop.add_reader(link.sock.fileno(), self._resume_up)
+            parking_lot(self._loop).park(link.sock.fileno(), self)
             release_bio_buffers(link.ssl, (link.incoming,), BIO_KEEP)
         elif exc is not True:
             self.up_result = exc
@@ -191,7 +193,7 @@ class _Tunnel:
         if exc is False:
             self.down_parked = True
             link = self._h.link
-            self._loop.add_reader(self._h.upstream.fileno(), self._resume_down)
+            parking_lot(self._loop).park(self._h.upstream.fileno(), self)
             release_bio_buffers(link.ssl, (link.outgoing,), BIO_KEEP)
         elif exc is not True:
             self.down_result = exc
@@ -213,15 +215,14 @@ class _Tunnel:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
-    def _resume_up(self) -> None:
-        self._loop.remove_reader(self._h.link.sock.fileno())
-        self.up_parked = False
-        self._start_up()
-
-    def _resume_down(self) -> None:
-        self._loop.remove_reader(self._h.upstream.fileno())
-        self.down_parked = False
-        self._start_down()
+    def readable(self, fd: int) -> None:
+        """A parked direction's socket is readable (it has left the lot): start its task again."""
+        if fd == self._h.link.sock.fileno() and self.up_parked:
+            self.up_parked = False
+            self._start_up()
+        elif fd == self._h.upstream.fileno() and self.down_parked:
+            self.down_parked = False
+            self._start_down()
 
     def ended(self) -> int:
         return (self.up_result is not _RUNNING) + (self.down_result is not _RUNNING)
@@ -236,10 +237,10 @@ class _Tunnel:
         self._stopped = True
         if self.up_parked:
             self.up_parked = False
-            self._loop.remove_reader(self._h.link.sock.fileno())
+            parking_lot(self._loop).leave(self._h.link.sock.fileno())
         if self.down_parked:
             self.down_parked = False
-            self._loop.remove_reader(self._h.upstream.fileno())
+            parking_lot(self._loop).leave(self._h.upstream.fileno())
         tasks = [t for t in (self.up_task, self.down_task) if t is not None]
         if tasks:
             await _finish(*tasks)
