@@ -66,7 +66,6 @@ log = logging.getLogger("sbxnet.scheduler")
 T = TypeVar("T")
 
 MAX_TIMER_SLEEP_S = 0.5  # the timer loop looks again at least this often (a report can make a deadline appear)
-COUNT_EVERY_S = 1.0  # the metrics' counts by state are taken this often (a pass over every sandbox)
 MAX_SWEEP_S = 1.0  # stale feed sources are looked for this often (a quarter of source_stale_s if less)
 
 
@@ -135,7 +134,6 @@ class SchedulerService:
             "sources_forgotten": 0,
         }
         self.state_counts: dict[str, int] = {}  # by state, as of the timer loop's last count (metrics)
-        self._counted_at = -COUNT_EVERY_S
 
     # -- the core and the transaction pattern ---------------------------------------------------
 
@@ -510,12 +508,7 @@ class SchedulerService:
                                                                  "fields": {"error": str(e)}})
         if resync:
             self.resync()
-        if time.monotonic() >= self._counted_at + COUNT_EVERY_S:
-            self._counted_at = time.monotonic()
-            counts = dict.fromkeys((s.value for s in State), 0)
-            for state in self.core.states():
-                counts[state.value] += 1
-            self.state_counts = counts
+        self.state_counts = self.core.state_counts()
         return self.core.next_timer_before(self.now() + MAX_TIMER_SLEEP_S), failed
 
     async def _timers(self) -> None:

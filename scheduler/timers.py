@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple
@@ -287,6 +287,9 @@ class TimerCore:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._heap: list[_Entry] = []
         self._by_source: dict[str, set[str]] = {}  # source -> sandboxes with a count from it
+        # How many sandboxes are in each state, kept as they move (``state_counts``): counting them when
+        # asked was a pass over every sandbox, 70 ms a second at 100,000 of them.
+        self._in_state: dict[State, int] = dict.fromkeys(State, 0)
         self._seq = itertools.count()
         self.counters: dict[str, int] = {"report_unknown_sandbox": 0, "report_stale_incarnation": 0}
 
@@ -304,8 +307,10 @@ class TimerCore:
             return []
         if old is not None:
             self._unindex(old)
+            self._in_state[old.st.state] -= 1
         sb = _Sandbox(config, SandboxState(active_since=now))
         self._sandboxes[config.sandbox] = sb
+        self._in_state[State.ACTIVE] += 1
         self._schedule(sb)
         frm = None if old is None else old.st.state
         return [Event(config.sandbox, config.incarnation, frm, State.ACTIVE, now, Why.REGISTERED)]
@@ -316,6 +321,7 @@ class TimerCore:
         if sb is None:
             return False
         self._unindex(sb)
+        self._in_state[sb.st.state] -= 1
         return True
 
     def restore(self, config: SandboxConfig, state: SandboxState, stored: int | None = None) -> None:
@@ -325,6 +331,7 @@ class TimerCore:
         old = self._sandboxes.get(config.sandbox)
         if old is not None:
             self._unindex(old)
+            self._in_state[old.st.state] -= 1
         if old is not None and old.config == config:
             # The same registration (a row another replica wrote): the state replaced in place, so its heap
             # entry stays live (a new object would leave one stale entry per restore to be compacted away).
@@ -335,6 +342,7 @@ class TimerCore:
             self._sandboxes[config.sandbox] = sb
         for source in sb.st.open_by:
             self._by_source.setdefault(source, set()).add(config.sandbox)
+        self._in_state[sb.st.state] += 1
         self._schedule(sb)
 
     def snapshot(self, sandbox: str) -> SandboxState:
@@ -415,9 +423,9 @@ class TimerCore:
         """Every registered sandbox's ID, in no order."""
         return list(self._sandboxes)
 
-    def states(self) -> Iterator[State]:
-        """Each sandbox's state, in no order (for counts)."""
-        return (sb.st.state for sb in self._sandboxes.values())
+    def state_counts(self) -> dict[str, int]:
+        """How many sandboxes are in each state, every state named (for metrics); costs nothing per sandbox."""
+        return {state.value: n for state, n in self._in_state.items()}
 
     def __len__(self) -> int:
         return len(self._sandboxes)
@@ -733,6 +741,8 @@ class TimerCore:
         if frm is State.WAKING:
             st.wake_from = None
         st.state = to
+        self._in_state[frm] -= 1
+        self._in_state[to] += 1
         return Event(sb.config.sandbox, sb.config.incarnation, frm, to, now, _WHY[inp])
 
     def _set_open(self, sb: _Sandbox, source: str, n: int) -> None:

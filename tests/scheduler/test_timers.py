@@ -999,6 +999,13 @@ class TimerMachine(RuleBasedStateMachine):
             assert (snap.open_by, snap.open_connections) == (m.open_by, m.open)
 
     @invariant()
+    def the_counts_by_state_are_the_models(self) -> None:
+        expected = {state.value: 0 for state in State}
+        for m in self.models.values():
+            expected[m.state.value] += 1
+        assert self.core.state_counts() == expected
+
+    @invariant()
     def the_source_index_names_exactly_the_sandboxes_holding_a_count(self) -> None:
         for source in SOURCES:
             assert self.core.holding(source) == sorted(s for s, m in self.models.items() if source in m.open_by)
