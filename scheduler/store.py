@@ -576,8 +576,7 @@ def _apply(
     """One APPLY of ``batch`` inside ``tx``, its rows locked and refreshed (``ingest_batch``); returns its
     events and the rows it wrote."""
     events: list[Event] = core.forget_source(identity, now) if restart else []
-    for r in batch.sandboxes:
-        events += core.on_report(r.sandbox, r.bytes_in, r.bytes_out, r.open, now - r.idle_s, now, identity)
+    events += core.on_reports(batch.sandboxes, now, identity)
     tx.claim(identity, batch, decision)
     tx.note_applied(identity, now)
     # The core's own states, not copies: written at once. A sandbox with no event changed only

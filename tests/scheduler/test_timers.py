@@ -9,9 +9,10 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -1047,3 +1048,112 @@ def test_snapshot_and_restore_copy_every_field() -> None:
     snap.open_by["fwd#1"] = 99
     assert core.snapshot("sbx-1") == SandboxState(**{**values, "open_by": {"fwd#0": 2, "fwd#1": 3}})  # type: ignore[arg-type]
     assert core.has_state("sbx-1", core.snapshot("sbx-1")) and not core.has_state("sbx-1", snap)
+
+
+# -- a batch's reports at once ------------------------------------------------------------------------
+
+_IDS = ["s0", "s1", "s2"]
+_history_step = st.one_of(
+    st.tuples(st.just("report"), st.sampled_from(_IDS), st.integers(0, 3), st.integers(0, 2),
+              st.sampled_from([0.0, 0.5, 30.0]), st.sampled_from(SOURCES)),
+    st.tuples(st.just("advance"), st.sampled_from([0.5, 5.0, 12.0])),
+    st.tuples(st.just("timer")),
+    st.tuples(st.sampled_from(["wake", "ready", "stopping", "stopped", "failed"]), st.sampled_from(_IDS)),
+    st.tuples(st.just("hold"), st.sampled_from(_IDS), st.sampled_from([1.0, 20.0])),
+    st.tuples(st.just("forget"), st.sampled_from(SOURCES)),
+    st.tuples(st.just("reregister"), st.sampled_from(_IDS)),
+)
+_entry = st.tuples(st.sampled_from([*_IDS, "unknown"]), st.integers(0, 3), st.integers(0, 3), st.integers(0, 2),
+                   st.sampled_from([0.0, 0.25, 4.0, 8.0, 1e6]))
+
+
+def _replay(history: list[tuple[Any, ...]], policies: list[Activity]) -> tuple[TimerCore, float]:
+    core, now = TimerCore(), 100.0
+    for sid, policy in zip(_IDS, policies, strict=True):
+        core.register(SandboxConfig(sid, "inc-1", 10.0, policy, registered_at=now), now)
+    for step in history:
+        kind = step[0]
+        if kind == "report":
+            _, sid, b, n_open, age, source = step
+            core.on_report(str(sid), int(b), int(b), int(n_open), now - float(age), now, str(source))
+        elif kind == "advance":
+            now += float(step[1])
+        elif kind == "timer":
+            core.on_timer(now)
+        elif kind == "hold":
+            core.hold(str(step[1]), float(step[2]), now)
+        elif kind == "forget":
+            core.forget_source(str(step[1]), now)
+        elif kind == "reregister":
+            core.register(SandboxConfig(str(step[1]), f"inc-{now}", 10.0, registered_at=now), now)
+        else:
+            call = {"wake": core.wake, "ready": core.driver_ready, "stopping": core.driver_stopping,
+                    "stopped": core.driver_stopped, "failed": core.driver_failed}[str(kind)]
+            call(str(step[1]), now)
+    return core, now
+
+
+def _same_as_each(
+    history: list[tuple[Any, ...]], policies: list[Activity], batch: list[tuple[str, int, int, int, float]],
+    source: str, marked: bool,
+) -> None:
+    """``on_reports(batch)`` on one core and ``on_report`` of each entry on its twin leave the two alike."""
+    one, now = _replay(history, policies)
+    each, _ = _replay(history, policies)
+    if marked:  # the versions a store marked: the batch must forget those of the sandboxes it changed
+        one.mark_stored(_IDS, 7)
+        each.mark_stored(_IDS, 7)
+    got = one.on_reports(batch, now, source)
+    want: list[Event] = []
+    for sid, b_in, b_out, n_open, idle_s in batch:
+        want += each.on_report(sid, b_in, b_out, n_open, now - idle_s, now, source)
+    assert got == want
+    assert one.counters == each.counters
+    assert one.status(now) == each.status(now)
+    for sid in _IDS:
+        assert one.snapshot(sid) == each.snapshot(sid)
+        assert one.stored_version(sid) == each.stored_version(sid)
+        assert one.counts_changed(sid) == each.counts_changed(sid)
+    for s in SOURCES:
+        assert one.holding(s) == each.holding(s)
+    assert one.state_counts() == each.state_counts()
+    for later in (0.0, 5.0, 11.0, 40.0):
+        assert one.next_timer() == each.next_timer()
+        assert one.on_timer(now + later) == each.on_timer(now + later)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    history=st.lists(_history_step, max_size=30),
+    policies=st.lists(st.sampled_from(list(Activity)), min_size=len(_IDS), max_size=len(_IDS)),
+    batch=st.lists(_entry, max_size=12, unique_by=lambda e: e[0]),
+    source=st.sampled_from(SOURCES),
+    marked=st.booleans(),
+)
+def test_on_reports_is_on_report_of_each_entry(
+    history: list[tuple[Any, ...]], policies: list[Activity], batch: list[tuple[str, int, int, int, float]],
+    source: str, marked: bool,
+) -> None:
+    _same_as_each(history, policies, batch, source, marked)
+
+
+_C, _B = Activity.CONNECTIONS, Activity.BYTES
+
+
+@pytest.mark.parametrize(("history", "batch"), [
+    # connections policy, the same open count again a while later: activity now, not at the report's age
+    ([("report", "s0", 0, 2, 0.0, "fwd#0"), ("advance", 5.0)], [("s0", 0, 0, 2, 4.0), ("s1", 1, 0, 0, 0.25)]),
+    ([("report", "s0", 1, 1, 0.0, "fwd#0"), ("advance", 5.0)], [("s0", 3, 1, 1, 0.25)]),
+    # a report from before the stop, about a sandbox active again: bytes only
+    ([("advance", 12.0), ("timer",), ("stopping", "s0"), ("stopped", "s0"), ("advance", 0.5), ("ready", "s0"),
+      ("advance", 5.0)], [("s0", 2, 2, 0, 8.0), ("s1", 2, 2, 0, 8.0)]),
+    # before the incarnation began, and a count that moved
+    ([("advance", 5.0), ("reregister", "s1")], [("s1", 1, 1, 0, 4.0), ("s2", 1, 1, 1, 0.0)]),
+    # a sandbox whose heap entry was taken (idle, then active again by a hold)
+    ([("advance", 12.0), ("timer",), ("hold", "s0", 1.0)], [("s0", 1, 1, 0, 0.0)]),
+])
+def test_on_reports_is_on_report_of_each_entry_in_these_cases(
+    history: list[tuple[Any, ...]], batch: list[tuple[str, int, int, int, float]]
+) -> None:
+    for marked in (False, True):
+        _same_as_each(history, [_C, _B, _C], batch, "fwd#0", marked)
