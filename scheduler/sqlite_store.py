@@ -50,6 +50,8 @@ of any other version is refused.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import sqlite3
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -187,6 +189,24 @@ _PUT_METERS = (
     f"VALUES ({', '.join('?' * (2 + len(_TRAFFIC)))})"
 )
 _UPDATE_TRAFFIC = f"UPDATE meters SET {', '.join(c + ' = ?' for c in _TRAFFIC)}, row_version = ? WHERE sandbox = ?"
+# The same for many rows in one statement, an UPDATE ... FROM a VALUES list of them (SQLite 3.33 or
+# later): a thousand rows in about three quarters of the CPU an executemany of _UPDATE_TRAFFIC takes (its
+# reset, bind and step per row). Chunks of a power of two rows, _TRAFFIC_MIN to _TRAFFIC_MAX (fewer where
+# the connection binds fewer parameters), the rest one row a statement: preparing one of these costs
+# more than running it (6 ms for a thousand rows), so only those few texts are ever made, and the
+# connection's statement cache keeps them prepared.
+_TRAFFIC_PARAMS = len(_TRAFFIC) + 2  # a row of _UPDATE_TRAFFIC's parameters: the columns, row_version, sandbox
+_TRAFFIC_MIN, _TRAFFIC_MAX = 8, 512
+_UPDATE_FROM = sqlite3.sqlite_version_info >= (3, 33, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _update_traffic_from(n: int) -> str:
+    """The UPDATE ... FROM (VALUES ...) of ``n`` rows of _UPDATE_TRAFFIC's parameters, in its order."""
+    sets = ", ".join(f"{c} = v.column{i + 1}" for i, c in enumerate((*_TRAFFIC, "row_version")))
+    row = "(" + ", ".join("?" * _TRAFFIC_PARAMS) + ")"
+    return (f"UPDATE meters SET {sets} FROM (VALUES {', '.join([row] * n)}) AS v "
+            f"WHERE meters.sandbox = v.column{_TRAFFIC_PARAMS}")
 # The open counts: writing open_by costs an update of the partial index on it for every row.
 _UPDATE_COUNTS = f"UPDATE sandboxes SET {', '.join(c + ' = ?' for c in COUNT_COLUMNS)} WHERE sandbox = ?"
 _NEXT_VERSION = "UPDATE row_versions SET last = last + 1 RETURNING last"
@@ -316,7 +336,7 @@ class SqliteTx:
             version = self.written_version()
             rows = [(state_row(st), sid) for sid, st in updates.items()]
             c.executemany(_UPDATE_REST, [(*[row[i] for i in _IN_SANDBOXES], sid) for row, sid in rows])
-            c.executemany(_UPDATE_TRAFFIC, [(*[row[i] for i in _IN_METERS], version, sid) for row, sid in rows])
+            self._update_traffic([(*[row[i] for i in _IN_METERS], version, sid) for row, sid in rows])
             self._wrote(updates, version)
         return self._insert_events(c, events)
 
@@ -326,11 +346,25 @@ class SqliteTx:
         version = self.written_version()
         c = self._c()
         rows = [(st.last_activity, st.bytes_in, st.bytes_out, version, sid) for sid, st in updates.items()]
-        c.executemany(_UPDATE_TRAFFIC, rows)
+        self._update_traffic(rows)
         if counts:
             c.executemany(_UPDATE_COUNTS, [(st.open_connections, open_by_text(st.open_by), sid)
                                            for sid, st in updates.items()])
         self._wrote(updates, version)
+
+    def _update_traffic(self, rows: Sequence[tuple[object, ...]]) -> None:
+        """_UPDATE_TRAFFIC for each of ``rows`` (its parameters), a chunk of them per statement."""
+        c = self._c()
+        most = self._store._traffic_rows
+        done, n = 0, len(rows)
+        while most and n - done >= _TRAFFIC_MIN:
+            k = most
+            while k > n - done:
+                k //= 2
+            c.execute(_update_traffic_from(k), list(itertools.chain.from_iterable(rows[done : done + k])))
+            done += k
+        if done < n:
+            c.executemany(_UPDATE_TRAFFIC, rows[done:])
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
         rec = check_apply(batch, decision)
@@ -403,6 +437,12 @@ class SqliteStore(OneShotWrites):
             raise
         self.path = path
         self.synchronous = synchronous
+        # The most rows per UPDATE ... FROM (VALUES ...) statement, a power of two; 0: one UPDATE per row.
+        limit = self._conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // _TRAFFIC_PARAMS
+        most = _TRAFFIC_MAX
+        while most > limit:
+            most //= 2
+        self._traffic_rows = most if _UPDATE_FROM and most >= _TRAFFIC_MIN else 0
 
     # -- transactions ---------------------------------------------------------------------------
 

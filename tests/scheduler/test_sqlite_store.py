@@ -359,6 +359,29 @@ def test_a_claim_on_a_record_that_moved_conflicts_and_writes_nothing(db: Path) -
     b.close()
 
 
+@pytest.mark.parametrize(("most", "n"), [(0, 11), (8, 9), (8, 11), (8, 8), (16, 31), (512, 7), (512, 700)])
+def test_the_meters_of_a_batch_are_written_whatever_the_rows_per_statement(db: Path, most: int, n: int) -> None:
+    """A batch's traffic meters go out in chunks of a power of two rows per UPDATE ... FROM (VALUES ...)
+    statement, up to ``most`` (0: one UPDATE per row, as where SQLite binds too few parameters or is older
+    than 3.33), the rest one row a statement: every row gets its own values and the batch's version,
+    whatever the chunks, and the others keep theirs."""
+    sids = [f"sbx-{i:03d}" for i in range(n)]
+    store, core = with_sandboxes(db, *sids, "sbx-other")
+    store._traffic_rows = most
+    before = store.sandbox("sbx-other")
+    for seq in (1, 2):
+        entries = [(sid, seq * 10 + i, 1000 * seq + i) for i, sid in enumerate(sids)]
+        assert ingest_batch(core, store, FWD, batch(E1, seq, *entries, ("ghost", 5, 5)), 200.0 + seq)[0].apply
+    version = store.sandbox(sids[0]).version  # type: ignore[union-attr]
+    store.close()
+    reopened, _ = opened(db)
+    rows = {s.sandbox: s for s in reopened.sandboxes()}
+    assert totals(reopened) == {
+        **{sid: (10 + 20 + 2 * i, 3000 + 2 * i) for i, sid in enumerate(sids)}, "sbx-other": (0, 0)}
+    assert {rows[sid].version for sid in sids} == {version} and rows["sbx-other"] == before
+    assert {rows[sid].state.last_activity for sid in sids} == {202.0}
+
+
 def test_row_versions_are_read_again_only_after_another_connection_committed(db: Path) -> None:
     """With one writer a batch reads no row: lock_versions answers from what this connection read and
     wrote (PRAGMA data_version says nobody else committed). A commit on another connection, or a
