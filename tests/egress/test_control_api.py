@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -206,6 +207,27 @@ async def test_exit_label_change_moves_the_traffic_and_announces_to_the_new_exit
     await asyncio.sleep(0.1)
     assert api.router.inbound.drops["wrong_exit"] == 1
     writer.close()
+
+
+async def test_announce_sends_every_claims_gratuitous_arp_now(api: Api) -> None:
+    """After an exit reloads (its neighbour table and learning FDB empty): every claim announced at once,
+    or only those of one exit."""
+    addrs = {}
+    for cid, label in (("c1", "a"), ("c2", "b")):
+        st, body, _ = await api.call("PUT", f"/v1/claims/{cid}", {"uds": str(api.tmp / cid), "exit": label})
+        assert st == 201
+        addrs[label] = int.from_bytes(socket.inet_aton(body["address"]), "big")
+    api.datagrams("a")
+    api.datagrams("b")  # the announcements of arm
+    st, body, _ = await api.call("POST", "/v1/announce")
+    assert (st, body) == (200, {"exit": None, "announced": 2})
+    assert api.garps("a") == [addrs["a"]] and api.garps("b") == [addrs["b"]]
+    st, body, _ = await api.call("POST", "/v1/exits/b/announce")
+    assert (st, body) == (200, {"exit": "b", "announced": 1})
+    assert api.garps("b") == [addrs["b"]] and api.garps("a") == []
+    st, body, _ = await api.call("POST", "/v1/exits/zz/announce")
+    assert st == 400 and body["error"] == "bad_exit"
+    assert api.garps("a") == [] and api.garps("b") == []
 
 
 async def test_a_restart_keeps_address_switch_exit_and_quota(tmp_path: Path, api: Api) -> None:
@@ -426,8 +448,16 @@ def test_the_claims_cli_over_a_running_daemon(tmp_path: Path) -> None:
         assert r.returncode == 1 and "404 no_such_claim" in r.stderr and r.stderr.count("\n") == 1
         r = cli("exit", "c1", "zz")
         assert r.returncode == 1 and "400 bad_exit" in r.stderr
+        r = cli("announce")
+        assert r.returncode == 0 and json.loads(r.stdout) == {"exit": None, "announced": 1}, r.stderr
+        r = cli("announce", "--exit", "a")
+        assert r.returncode == 0 and json.loads(r.stdout) == {"exit": "a", "announced": 1}, r.stderr
+        daemon.send_signal(signal.SIGHUP)  # the exits reloaded: the same as announce
+        time.sleep(0.5)
         assert cli("disarm", "c1").returncode == 0
     finally:
         daemon.terminate()
-        daemon.communicate(timeout=20)
+        _, err = daemon.communicate(timeout=20)
     assert daemon.returncode == 0
+    announced = [json.loads(line) for line in err.splitlines() if '"claims_announced"' in line]
+    assert [(e["exit"], e["claims"]) for e in announced] == [(None, 1), ("a", 1), (None, 1)], err[-2000:]

@@ -40,12 +40,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     ex.add_argument("label")
     imp = verbs.add_parser("import", help="arm an exported claim (a file, or - for stdin)")
     imp.add_argument("file")
+    ann = verbs.add_parser("announce", help="a gratuitous ARP for every claim now (run after an exit reloads)")
+    ann.add_argument("--exit", dest="label", help="only the claims sent through this exit")
 
 
 def _request(args: argparse.Namespace) -> tuple[str, str, Any]:
     v = args.verb
     if v == "list":
         return "GET", "/v1/claims", None
+    if v == "announce":
+        return "POST", "/v1/announce" if args.label is None else f"/v1/exits/{args.label}/announce", None
     url = f"/v1/claims/{getattr(args, 'id', '')}"
     if v == "show":
         return "GET", url, None

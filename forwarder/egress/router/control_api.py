@@ -15,6 +15,8 @@ Bodies go through ``control_body.py`` (the untrusted-input parser) before the ro
 | ``PUT /v1/claims/{id}/exit`` | ``{"exit": label}`` | send through another exit (announced to it) | 200, 400, 404 |
 | ``POST /v1/claims/{id}/export`` | | the claim's state for an import elsewhere; disarmed here | 200, 404 |
 | ``POST /v1/import`` | an exported claim | arm it as it was; gratuitous ARP | 201, 400, 409, 503 |
+| ``POST /v1/announce`` | | a gratuitous ARP for every claim now (after exits reload) | 200 |
+| ``POST /v1/exits/{label}/announce`` | | the same for the claims sent through that exit | 200, 400 |
 
 Every refusal is one line of JSON, ``{"error": reason, "detail": text}``: 400 for a bad body or claim id,
 403 for a peer that is not root, 404 for no such claim or route, 405 for a method, 409 for a conflict
@@ -90,6 +92,8 @@ class ControlServer:
             web.put("/v1/claims/{id}/exit", self._exit),
             web.post("/v1/claims/{id}/export", self._export),
             web.post("/v1/import", self._import),
+            web.post("/v1/announce", self._announce),
+            web.post("/v1/exits/{label}/announce", self._announce),
         ])
         return app
 
@@ -171,6 +175,10 @@ class ControlServer:
     async def _export(self, request: web.Request) -> web.Response:
         st = await self.router.export(self._claim(request).id)
         return _ok(st.model_dump(mode="json"))
+
+    async def _announce(self, request: web.Request) -> web.Response:
+        label = request.match_info.get("label")
+        return _ok({"exit": label, "announced": self.router.announce(label)})
 
     async def _import(self, request: web.Request) -> web.Response:
         st = pull_import(await self._body(request))

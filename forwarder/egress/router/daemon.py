@@ -9,7 +9,8 @@ restored at start. A guest's frames go
 ``GuestStream`` → ``Router.outbound`` (judge, segment) → ``VxlanSocket.send_records`` to the claim's
 exit; datagrams go ``VxlanSocket.recv_batch`` → ``InboundPath.run`` → the guest's stream, ARP answered.
 A tick each second closes stalled guests and sends each claim's gratuitous ARP every
-``garp_interval`` (and once on arm). SIGTERM/SIGINT stop it; the last log line has every counter.
+``garp_interval`` (and once on arm, and for every claim at SIGHUP or the control API's announce, after
+an exit reloads). SIGTERM/SIGINT stop it; the last log line has every counter.
 """
 
 from __future__ import annotations
@@ -340,6 +341,23 @@ class Router:
             vx.sendto(reply, host)
             self.counts["arp_replies"] += 1
 
+    def announce(self, label: str | None = None) -> int:
+        """A gratuitous ARP now for every armed claim (those sent through exit ``label``, or all): after an
+        exit reloads (its neighbour table and learning FDB start empty), so it learns every claim at once
+        rather than at each one's next announcement. Each claim's 45 s timer starts again. How many."""
+        if label is not None and label not in self.exits:
+            raise ControlError("bad_exit", f"no exit {label!r} (configured: {', '.join(sorted(self.exits))})")
+        now = time.monotonic()
+        n = 0
+        for cid, path in self.paths.items():
+            if label is None or path.exit.label == label:
+                self._announce(path)
+                self._garp_due[cid] = now + self.settings.garp_interval
+                n += 1
+        log.info("claims announced", extra={"event": "claims_announced", "fields": {
+            "exit": label, "claims": n}})
+        return n
+
     def _announce(self, path: ClaimPath) -> None:
         assert self.vx is not None
         self.vx.sendto(self._vxlan_hdr + gratuitous_arp(path.address, self.router_mac), str(path.exit.vtep))
@@ -462,6 +480,7 @@ async def _main(settings: EgressSettings, claims: list[ClaimRequest]) -> int:
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, router.announce)  # the exits reloaded: announce every claim
     await stop.wait()
     if control is not None:
         await control.stop()
