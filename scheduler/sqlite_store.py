@@ -268,7 +268,14 @@ class SqliteTx:
 
     def lock_versions(self, sandboxes: Collection[str]) -> dict[str, int]:
         known = self._store._known
-        out: dict[str, int] = {}
+        try:
+            # The usual batch: every row known (one writer), in one pass.
+            out = {sid: known[sid] for sid in sandboxes}
+        except KeyError:
+            pass
+        else:
+            return {sid: v for sid, v in out.items() if v != _ABSENT} if _ABSENT in out.values() else out
+        out = {}
         missing: list[str] = []
         for sid in dict.fromkeys(sandboxes):
             v = known.get(sid)
@@ -289,9 +296,10 @@ class SqliteTx:
     def _wrote(self, sandboxes: Collection[str], version: int) -> None:
         """``save``'s rows: written where stored, which the known versions say or leave open."""
         known, wrote = self._store._known, self.wrote
-        for sid in sandboxes:
-            was = wrote.get(sid, known.get(sid))
-            wrote[sid] = None if was is None else _ABSENT if was == _ABSENT else version
+        wrote.update({
+            sid: None if (was := wrote.get(sid, known.get(sid))) is None else _ABSENT if was == _ABSENT else version
+            for sid in sandboxes
+        })
 
     def _select(self, columns: str, source: str, key: str, ids: list[str]) -> Iterator[sqlite3.Row]:
         c = self._c()
@@ -468,12 +476,15 @@ class SqliteStore(OneShotWrites):
             self._rollback()
             raise
         else:
-            known = self._known
-            for sid, v in tx.wrote.items():
-                if v is None:
-                    known.pop(sid, None)
-                else:
-                    known[sid] = v
+            known, wrote = self._known, tx.wrote
+            if None in wrote.values():
+                for sid, v in wrote.items():
+                    if v is None:
+                        known.pop(sid, None)
+                    else:
+                        known[sid] = v
+            else:
+                known.update(wrote)  # the usual commit: rows this connection knew, all written
         finally:
             tx.end()
             self._tx = None
