@@ -12,8 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import dpkt
 from core_packets import REMOTE, tcp, udp, vnet, vxlan_datagram
 from test_router import CLAIM, _rig
+
+from forwarder.egress.refusals import REFUSED_PER_ROUND
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -68,3 +71,43 @@ async def test_a_disarm_and_a_disable_end_their_flows(tmp_path: Path) -> None:
         await rig.router.stop()
     ended = [(r["sport"], r["ended"]) for r in _records(audit) if r["type"] == "flow"]
     assert ended == [(1000, "disabled"), (2000, "disarmed")]
+
+
+async def test_flows_refused_at_their_first_packet_are_audited_with_their_reason(tmp_path: Path) -> None:
+    """Policy refusals: one record per refused tuple a round, its retransmissions counted as attempts,
+    nothing sent; the allowed flow beside them recorded as usual."""
+    audit = tmp_path / "audit.jsonl"
+    syn = dpkt.tcp.TH_SYN
+    async for rig in _rig(tmp_path, {"rules": ["deny tcp any 25"]}, audit_file=audit):
+        smtp = tcp(dport=25, flags=syn, ack=0)
+        await rig.send(vnet() + smtp, vnet() + smtp, vnet() + tcp(dport=25, sport=40001, flags=syn, ack=0),
+                       vnet() + udp(b"ok"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while len([r for r in _records(audit) if r.get("verdict") == "refused"]) < 2:
+            assert loop.time() < deadline, _records(audit)
+            await asyncio.sleep(0.1)
+        drops = dict(rig.router.paths["c1"].drops)
+        await rig.router.stop()
+    recs = _records(audit)
+    refused = [r for r in recs if r.get("verdict") == "refused"]
+    assert [(r["sport"], r["dport"], r["attempts"], r["reason"]) for r in refused] == [
+        (40000, 25, 2, "policy_denied"), (40001, 25, 1, "policy_denied")]
+    assert all(r["proto"] == "tcp" and r["src"] == "100.64.1.2" and r["bytes_out"] == r["packets_out"] == 0
+               and r["start"] <= r["end"] and r["ended"] == "refused" for r in refused)
+    assert drops["policy_denied"] == 3
+    allowed = [r for r in recs if r["type"] == "flow" and r["verdict"] == "allowed"]
+    assert [(a["proto"], a["dport"]) for a in allowed] == [("udp", 53)]
+
+
+async def test_refused_tuples_past_the_cap_are_counted_not_listed(tmp_path: Path) -> None:
+    audit = tmp_path / "audit.jsonl"
+    n = REFUSED_PER_ROUND + 6
+    async for rig in _rig(tmp_path, {"rules": ["deny tcp any 25"]}, audit_file=audit):
+        await rig.send(*(vnet() + tcp(dport=25, sport=41000 + i, flags=dpkt.tcp.TH_SYN, ack=0) for i in range(n)))
+        await rig.router.stop()
+    recs = _records(audit)
+    listed = [r for r in recs if r.get("verdict") == "refused"]
+    suppressed = sum(r["packets"] for r in recs if r["type"] == "refused_suppressed")
+    assert len(listed) + suppressed == n  # every refused packet is in one or the other
+    assert len({r["sport"] for r in listed}) == len(listed) >= REFUSED_PER_ROUND

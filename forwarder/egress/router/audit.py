@@ -4,9 +4,13 @@ Each flow that ends (idle for ``flow_idle_timeout``, its claim disabled, disarme
 daemon stopped cleanly) gives one ``flow`` record: the claim, the 5-tuple (source = the claim's
 address), inner IPv4 bytes and wire packets each way, the verdict (``allowed``: opened by the claim's own
 packet; ``resumed``: reopened by an inbound segment after a re-arm), start and end (wall clock, seconds)
-and why it ended. ``usage`` events carry the egress bytes and packets a flow sent since its last event:
-every ``usage_interval`` for each live flow that sent something, and at its end, so a flow's usage
-events add up to its record's ``bytes_out``.
+and why it ended. A flow refused at its first packet (policy, the internal-address guard, the flow cap or
+the new-flow rate) gives a ``flow`` record too, verdict ``refused``, with its ``reason``, how many of its
+packets were refused in that round (``attempts``: a retransmitted SYN is one more), zero bytes, and
+``start``/``end`` its first and last refused packet; past 64 refused tuples a claim in a round (a second)
+only a ``refused_suppressed`` record with the count. ``usage`` events carry the egress bytes and packets a
+flow sent since its last event: every ``usage_interval`` for each live flow that sent something, and at
+its end, so a flow's usage events add up to its record's ``bytes_out``.
 
 Where they go: ``audit_file`` when set, appended (``O_APPEND``, mode 0600) with one ``write`` per batch,
 fsynced at a clean stop. A file rather than the log because these are accounting data, written at the
@@ -55,6 +59,20 @@ def flow_record(claim: str, flow: Flow, why: str, wall_offset: float, now: float
             "last": round(flow.last + wall_offset, 6), "end": round(now + wall_offset, 6), "ended": why}
 
 
+def refused_record(claim: str, key: FlowKey, reason: str, attempts: int, first: float, last: float,
+                   wall_offset: float) -> dict[str, Any]:
+    """The audit record of a flow refused at its first packet (``refusals.RefusalLog`` entry)."""
+    return {"type": "flow", "claim": claim, **_tuple(key), "bytes_out": 0, "packets_out": 0, "bytes_in": 0,
+            "packets_in": 0, "verdict": "refused", "reason": reason, "attempts": attempts,
+            "start": round(first + wall_offset, 6), "last": round(last + wall_offset, 6),
+            "end": round(last + wall_offset, 6), "ended": "refused"}
+
+
+def suppressed_record(claim: str, packets: int, at: float) -> dict[str, Any]:
+    """Refused first packets past a round's cap: counted, not listed."""
+    return {"type": "refused_suppressed", "claim": claim, "packets": packets, "at": round(at, 6)}
+
+
 class AuditLog:
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -67,8 +85,9 @@ class AuditLog:
         self.written += len(records)
         if self.fd < 0:
             for r in records:
-                log.info("flow ended" if r["type"] == "flow" else "flow usage", extra={
-                    "event": "egress_flow" if r["type"] == "flow" else "egress_usage", "fields": r})
+                kind = r["type"]
+                log.info("flow ended" if kind == "flow" else "flow usage" if kind == "usage" else "flows refused",
+                         extra={"event": f"egress_{kind}", "fields": r})
             return
         data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
         view = memoryview(data)

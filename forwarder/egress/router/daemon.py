@@ -33,7 +33,7 @@ from forwarder.egress.arp import gratuitous_arp
 from forwarder.egress.guard import AddressGuard
 from forwarder.egress.router.addresses import AddressPool, AllocationError
 from forwarder.egress.router.allocator import Allocator, LocalAllocator, make_allocator
-from forwarder.egress.router.audit import AuditLog, flow_record, usage_record
+from forwarder.egress.router.audit import AuditLog, flow_record, refused_record, suppressed_record, usage_record
 from forwarder.egress.router.claim_state import StateFile
 from forwarder.egress.router.claims import ClaimRequest, ClaimSpec, ClaimState, check_address
 from forwarder.egress.router.control_body import ControlError
@@ -388,10 +388,13 @@ class Router:
         """Audit the claim's ended flows (each with its last usage event); with ``usage``, a usage event
         for each live flow that sent something since its last one."""
         ended = path.flows.take_ended()
-        if not ended and not usage:
+        refused, suppressed = path.refused.take()
+        if not ended and not usage and not refused and not suppressed:
             return
         offset = time.time() - now
-        out = []
+        out = [refused_record(path.id, key, reason, n, first, last, offset) for key, reason, n, first, last in refused]
+        if suppressed:
+            out.append(suppressed_record(path.id, suppressed, now + offset))
         for flow, why in ended:
             u = usage_record(path.id, flow, now + offset)
             if u is not None:

@@ -29,6 +29,7 @@ from forwarder.egress.fastpath import OutboundBatch
 from forwarder.egress.flows import FlowTable, flow_key
 from forwarder.egress.guard import AddressGuard
 from forwarder.egress.limits import WIRE_OVERHEAD, ClaimLimits
+from forwarder.egress.refusals import RefusalLog
 from forwarder.egress.reply import pull_reply, wire_size
 from forwarder.egress.router.claims import ClaimSpec
 from forwarder.egress.router.settings import ExitSpec
@@ -71,6 +72,7 @@ class ClaimPath:
         self.exit = exit
         self.flows = FlowTable(spec.policy.policy(), guard, cap=flow_cap, new_flow_rate=new_flow_rate,
                                idle_timeout=flow_idle_timeout, now=now)
+        self.refused = RefusalLog()  # outbound first packets refused since the last audit round
         self.limits = ClaimLimits(**spec.limits.model_dump(), now=now)
         self._vni, self._router_mac = vni, router_mac
         self.batch = self._batch(exit, mtu)
@@ -134,8 +136,13 @@ class ClaimPath:
             frame = mv[off : off + ln]
             try:
                 f = validate_outbound(frame, self.mtu, self.offloads)
-                flow = self.flows.open(flow_key(frame, VNET_HDR_LEN, self.address), now)
+                key = flow_key(frame, VNET_HDR_LEN, self.address)
+                flow = self.flows.open(key, now)
                 nbytes, packets = self.limits.charge_frame(f, now)
+            except FlowRefused as exc:  # the flow's first packet: audited as refused
+                self.drops[exc.reason] += 1
+                self.refused.note(key, exc.reason, now)
+                continue
             except RemoteProtocolError as exc:
                 self.drops[exc.reason] += 1
                 continue
