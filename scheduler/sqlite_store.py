@@ -56,7 +56,7 @@ import sqlite3
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from os import PathLike
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from sbxnet.errors import LocalProtocolError
 from sbxnet.protocol.feed import Batch, epoch_start_ns
@@ -484,7 +484,7 @@ class SqliteStore(OneShotWrites):
                     else:
                         known[sid] = v
             else:
-                known.update(wrote)  # the usual commit: rows this connection knew, all written
+                known.update(cast(dict[str, int], wrote))  # the usual commit: rows it knew, none unknown
         finally:
             tx.end()
             self._tx = None
