@@ -11,8 +11,8 @@ the peer cannot take yet is waited on before the next read: that is the back-pre
 Decrypted bytes go to a buffer borrowed from the thread's pool (``memory.py``) while they move and given
 back before the next wait, so an idle tunnel holds no plaintext buffer; OpenSSL releases its own record
 buffers between records (CPython sets SSL_MODE_RELEASE_BUFFERS on every context), and the memory BIOs'
-buffers, which OpenSSL never shrinks, are given back once the handshake is over and whenever a direction
-parks with its BIO grown past ``BIO_KEEP`` (``memory.release_bio_buffers``).
+buffers, which OpenSSL never shrinks, are given back once the handshake is over and when a direction has
+stayed parked for ``BIO_IDLE_S`` with its BIO grown past ``BIO_KEEP`` (``memory.release_bio_buffers``).
 From the gateway, close_notify ends that direction (FIN to the sandbox, the other direction goes on);
 a TCP FIN without close_notify before it resets both sides, as a reset does.
 """
@@ -43,9 +43,13 @@ FEED_SIZE = 64 * 1024
 PLAINTEXT_SIZE = 256 * 1024
 RAW_KEEP = 4  # given-back buffers each pool of the loop thread keeps for the next burst
 PLAIN_KEEP = 8
-# A direction that parks gives back its BIO's buffer once it has grown past this (a full record: 22 KiB; a
-# 64 KiB slice: 87 KiB); the handshake's size is kept, so small exchanges do not free and grow it again.
+# A direction parked for BIO_IDLE_S gives back its BIO's buffer if it has grown past BIO_KEEP (a full
+# record: 22 KiB; a 64 KiB slice: 87 KiB); the handshake's size is kept, so small exchanges do not free and
+# grow it again. Not at every park: during a transfer a direction parks whenever its socket runs dry, and
+# handing the buffer back each time (freed, grown again, its pages faulted in) cost a quarter more CPU
+# per byte (bench/forwarder_hop.py, 256 MiB on 1 and 8 tunnels: 1.64 against 1.32 hop CPU-s/GB).
 BIO_KEEP = 4 * 1024
+BIO_IDLE_S = 0.25
 
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     fut: asyncio.Future[None] = loop.create_future()
@@ -145,8 +149,8 @@ class _Tunnel:
     (``up_result``, ``down_result``) and wakes the future of :meth:`next_end`. One object with a slot
     per field, not lists: this is what an idle tunnel holds."""
 
-    __slots__ = ("_h", "_loop", "_plane", "_stopped", "_wake", "down_parked", "down_result", "down_task",
-                 "drained", "up_parked", "up_result", "up_task")
+    __slots__ = ("_h", "_loop", "_plane", "_release_due", "_stopped", "_wake", "down_parked", "down_result",
+                 "down_task", "drained", "up_parked", "up_result", "up_task")
 
     def __init__(self, plane: UserspacePlane, h: Handoff) -> None:
         self._plane = plane
@@ -160,6 +164,7 @@ class _Tunnel:
         self.down_result: object = _RUNNING
         self._wake: asyncio.Future[None] | None = None
         self._stopped = False
+        self._release_due = False  # a _release_idle call is scheduled
 
     def start(self) -> None:
         self._start_up()
@@ -179,9 +184,8 @@ class _Tunnel:
         exc = self._ended(task)
         if exc is False:
             self.up_parked = True
-            link = self._h.link
-            parking_lot(self._loop).park(link.sock.fileno(), self)
-            release_bio_buffers(link.ssl, (link.incoming,), BIO_KEEP)
+            parking_lot(self._loop).park(self._h.link.sock.fileno(), self)
+            self._release_later()
         elif exc is not True:
             self.up_result = exc
             self._wake_up()
@@ -192,9 +196,8 @@ class _Tunnel:
         exc = self._ended(task)
         if exc is False:
             self.down_parked = True
-            link = self._h.link
             parking_lot(self._loop).park(self._h.upstream.fileno(), self)
-            release_bio_buffers(link.ssl, (link.outgoing,), BIO_KEEP)
+            self._release_later()
         elif exc is not True:
             self.down_result = exc
             self._wake_up()
@@ -214,6 +217,22 @@ class _Tunnel:
     def _wake_up(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
+
+    def _release_later(self) -> None:
+        if not self._release_due:
+            self._release_due = True
+            self._loop.call_later(BIO_IDLE_S, self._release_idle)
+
+    def _release_idle(self) -> None:
+        """Hand back the grown buffers of the BIOs whose directions are parked now (the one that goes from
+        the gateway reads the incoming BIO, the other fills the outgoing one)."""
+        self._release_due = False
+        if self._stopped:
+            return
+        link = self._h.link
+        bios = (link.incoming,) * self.up_parked + (link.outgoing,) * self.down_parked
+        if bios:
+            release_bio_buffers(link.ssl, bios, BIO_KEEP)
 
     def readable(self, fd: int) -> None:
         """A parked direction's socket is readable (it has left the lot): start its task again."""
