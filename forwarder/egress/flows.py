@@ -6,6 +6,10 @@ evicting idle flows), ``flow_rate`` (a token is spent on every judged first pack
 so a guest hammering a denied destination pays for it), ``internal_address`` (``guard.AddressGuard``
 on the destination), ``policy_denied`` (the policy callback). Refused first packets are not
 remembered: the next packet of that flow is judged again. Time is passed in (seconds, monotonic).
+
+A TCP flow also ends by itself: once a RST has passed either way, or a FIN each way, it ends
+``CLOSE_LINGER`` seconds later (``closed`` or ``reset``), so a retransmitted FIN or the last ACK still
+belongs to it; otherwise flows end idle.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from forwarder.egress.validate import PROTO_ICMP, PROTO_TCP, PROTO_UDP
 DEFAULT_FLOW_CAP = 16384
 DEFAULT_NEW_FLOW_RATE = 1000.0
 DEFAULT_IDLE_TIMEOUT = 120.0
+CLOSE_LINGER = 2.0  # seconds a closed or reset TCP flow is kept for its last packets
+
+TCP_FIN, TCP_RST = 0x01, 0x04
+_FIN_OUT, _FIN_IN, _RST_SEEN = 1, 2, 4
 
 # ICMP query messages carry an identifier at bytes 4-5 that tells flows apart (echo, timestamp,
 # information, address mask; request and reply).
@@ -151,8 +159,8 @@ class Flow:
     (inner IPv4 bytes and wire packets), whether an inbound segment reopened it, and how many of its
     bytes out a usage event has reported."""
 
-    __slots__ = ("bytes_in", "bytes_out", "key", "last", "packets_in", "packets_out", "reported_bytes",
-                 "reported_packets", "resumed", "start")
+    __slots__ = ("bytes_in", "bytes_out", "closed_at", "closing", "key", "last", "packets_in", "packets_out",
+                 "reported_bytes", "reported_packets", "resumed", "start")
 
     def __init__(self, key: FlowKey, now: float, resumed: bool = False) -> None:
         self.key = key
@@ -160,6 +168,8 @@ class Flow:
         self.bytes_out = self.packets_out = self.bytes_in = self.packets_in = 0
         self.reported_bytes = self.reported_packets = 0
         self.resumed = resumed
+        self.closing = 0  # FIN out, FIN in, RST seen (bits)
+        self.closed_at: float | None = None  # when a RST or the second FIN passed
 
 
 class FlowTable:
@@ -171,7 +181,8 @@ class FlowTable:
     ``remove``) is appended to ``ended`` with why, for the caller to record and empty.
     """
 
-    __slots__ = ("_flows", "_rate", "cap", "ended", "guard", "idle_timeout", "judge", "opened", "refusals")
+    __slots__ = ("_closing", "_flows", "_rate", "cap", "ended", "guard", "idle_timeout", "judge", "opened",
+                 "refusals")
 
     def __init__(
         self,
@@ -192,6 +203,7 @@ class FlowTable:
         self.idle_timeout = idle_timeout
         self._rate = TokenBucket(new_flow_rate, new_flow_burst or new_flow_rate, now)
         self._flows: OrderedDict[FlowKey, Flow] = OrderedDict()
+        self._closing: dict[FlowKey, Flow] = {}  # TCP flows past their RST or second FIN
         self.ended: list[tuple[Flow, str]] = []
         self.refusals: Counter[str] = Counter()
         self.opened = 0  # first packets admitted
@@ -211,6 +223,19 @@ class FlowTable:
             flows.move_to_end(key)
             f.last = now
         return f
+
+    def tcp_flags(self, f: Flow, flags: int, inbound: bool, now: float) -> None:
+        """A TCP segment of ``f`` passed with ``flags``: a RST, or the second direction's FIN, starts its
+        ``CLOSE_LINGER``. Callers may skip segments without FIN or RST."""
+        if flags & TCP_RST:
+            f.closing |= _RST_SEEN
+        elif flags & TCP_FIN:
+            f.closing |= _FIN_IN if inbound else _FIN_OUT
+        else:
+            return
+        if f.closed_at is None and (f.closing & _RST_SEEN or f.closing == _FIN_OUT | _FIN_IN):
+            f.closed_at = now
+            self._closing[f.key] = f
 
     def admit(self, key: FlowKey, now: float) -> bool:
         n = self.opened
@@ -247,8 +272,9 @@ class FlowTable:
             raise FlowRefused("policy_denied", str(key))
 
     def expire(self, now: float, limit: int | None = None) -> int:
-        """Forget flows idle for ``idle_timeout`` or longer (at most ``limit`` of them); returns how many."""
-        flows = self._flows
+        """Forget flows idle for ``idle_timeout`` or longer (at most ``limit`` of them) and, without a
+        limit, TCP flows closed or reset ``CLOSE_LINGER`` ago; returns how many."""
+        flows, closing = self._flows, self._closing
         deadline = now - self.idle_timeout
         n = 0
         while flows and (limit is None or n < limit):
@@ -256,20 +282,31 @@ class FlowTable:
             if f.last > deadline:
                 break
             del flows[key]
+            closing.pop(key, None)
             self.ended.append((f, "idle"))
             n += 1
+        if limit is None and closing:
+            for key, f in list(closing.items()):
+                assert f.closed_at is not None
+                if now - f.closed_at >= CLOSE_LINGER:
+                    del closing[key]
+                    del flows[key]
+                    self.ended.append((f, "reset" if f.closing & _RST_SEEN else "closed"))
+                    n += 1
         return n
 
     def remove(self, key: FlowKey, why: str = "removed") -> bool:
         f = self._flows.pop(key, None)
         if f is None:
             return False
+        self._closing.pop(key, None)
         self.ended.append((f, why))
         return True
 
     def clear(self, why: str = "cleared") -> None:
         self.ended.extend((f, why) for f in self._flows.values())
         self._flows.clear()
+        self._closing.clear()
 
     def live(self) -> list[Flow]:
         return list(self._flows.values())

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forwarder.egress.errors import FlowRefused, FrameRefused, LimitRefused
-from forwarder.egress.flows import FlowKey, FlowTable, Policy, Rule, flow_key
+from forwarder.egress.flows import CLOSE_LINGER, TCP_FIN, TCP_RST, FlowKey, FlowTable, Policy, Rule, flow_key
 from forwarder.egress.guard import INTERNAL_RANGES, AddressGuard
 from forwarder.egress.limits import MAX_FRAME_COST, WIRE_OVERHEAD, ClaimLimits, TokenBucket, wire_cost
 from forwarder.egress.validate import OutboundFrame, validate_outbound
@@ -158,6 +158,47 @@ def test_first_packet_judged_once() -> None:
     assert t.admit(key(), 0.1) is False
     assert seen == [key()]
     assert len(t) == 1 and key() in t
+
+
+def test_a_tcp_flow_ends_closed_after_a_fin_each_way_and_its_linger() -> None:
+    t = FlowTable(idle_timeout=60)
+    f = t.open(key(), 0.0)
+    t.tcp_flags(f, TCP_FIN | 0x10, False, 1.0)  # the guest's FIN: half closed, it lives on
+    t.expire(10.0)
+    assert key() in t and f.closed_at is None
+    t.tcp_flags(f, TCP_FIN | 0x10, True, 11.0)  # the peer's FIN: closed from now
+    t.tcp_flags(f, TCP_FIN | 0x10, True, 11.5)  # a retransmission changes nothing
+    assert f.closed_at == 11.0
+    t.expire(11.0 + CLOSE_LINGER - 0.01)
+    assert key() in t  # still there for the last ACK
+    t.expire(11.0 + CLOSE_LINGER)
+    assert key() not in t and t.take_ended() == [(f, "closed")]
+    assert t.open(key(), 20.0) is not f  # the same 5-tuple again is a new flow, judged again
+
+
+def test_a_tcp_flow_ends_reset_after_a_rst_either_way() -> None:
+    for inbound in (False, True):
+        t = FlowTable(idle_timeout=60)
+        f = t.open(key(), 0.0)
+        t.tcp_flags(f, 0x10, inbound, 0.5)  # a plain ACK: nothing
+        assert f.closing == 0
+        t.tcp_flags(f, TCP_RST, inbound, 1.0)
+        t.expire(1.0 + CLOSE_LINGER)
+        assert t.take_ended() == [(f, "reset")] and len(t) == 0
+
+
+def test_a_closing_flow_that_goes_idle_or_is_removed_ends_once() -> None:
+    t = FlowTable(idle_timeout=1)
+    f = t.open(key(), 0.0)
+    t.tcp_flags(f, TCP_RST, True, 0.0)
+    t.expire(1.0)  # idle first (its linger is longer than this table's idle timeout)
+    t.expire(10.0)
+    assert t.take_ended() == [(f, "idle")]
+    g = t.open(key(dport=80), 20.0)
+    t.tcp_flags(g, TCP_RST, False, 20.0)
+    assert t.remove(key(dport=80), "disarmed")
+    t.expire(30.0)
+    assert t.take_ended() == [(g, "disarmed")]
 
 
 def test_policy_denied_and_internal_address() -> None:

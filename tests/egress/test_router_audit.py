@@ -111,3 +111,35 @@ async def test_refused_tuples_past_the_cap_are_counted_not_listed(tmp_path: Path
     suppressed = sum(r["packets"] for r in recs if r["type"] == "refused_suppressed")
     assert len(listed) + suppressed == n  # every refused packet is in one or the other
     assert len({r["sport"] for r in listed}) == len(listed) >= REFUSED_PER_ROUND
+
+
+async def test_a_tcp_flow_closed_by_fin_each_way_or_reset_is_recorded_then_not_idle(tmp_path: Path) -> None:
+    """Long before the idle timeout: the FIN pair's flow ends ``closed`` and the reset one ``reset``, each
+    with its end at its last packet."""
+    audit = tmp_path / "audit.jsonl"
+    syn, ack, fin, rst = dpkt.tcp.TH_SYN, dpkt.tcp.TH_ACK, dpkt.tcp.TH_FIN, dpkt.tcp.TH_RST
+    async for rig in _rig(tmp_path, flow_idle_timeout=120, audit_file=audit):
+        for sport in (40010, 40011):
+            await rig.send(vnet() + tcp(sport=sport, flags=syn, ack=0))
+            rig.exit.sendto(vxlan_datagram(tcp(src=REMOTE, dst=CLAIM, sport=443, dport=sport, flags=syn | ack)),
+                            ("127.0.0.1", rig.port))
+        await asyncio.sleep(0.1)
+        await rig.send(vnet() + tcp(b"bye", sport=40010, flags=fin | ack))
+        rig.exit.sendto(vxlan_datagram(tcp(src=REMOTE, dst=CLAIM, sport=443, dport=40010, flags=fin | ack)),
+                        ("127.0.0.1", rig.port))
+        rig.exit.sendto(vxlan_datagram(tcp(src=REMOTE, dst=CLAIM, sport=443, dport=40011, flags=rst)),
+                        ("127.0.0.1", rig.port))
+        await asyncio.sleep(0.1)
+        await rig.send(vnet() + tcp(sport=40010, flags=ack))  # the last ACK, inside the linger
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while len([r for r in _records(audit) if r["type"] == "flow"]) < 2:
+            assert loop.time() < deadline, _records(audit)
+            await asyncio.sleep(0.1)
+        assert len(rig.router.paths["c1"].flows) == 0
+        await rig.router.stop()
+    flows = {r["sport"]: r for r in _records(audit) if r["type"] == "flow"}
+    assert (flows[40010]["ended"], flows[40011]["ended"]) == ("closed", "reset")
+    assert (flows[40010]["packets_out"], flows[40010]["packets_in"]) == (3, 2)
+    assert (flows[40011]["packets_out"], flows[40011]["packets_in"]) == (1, 2)
+    assert all(r["end"] == r["last"] and r["verdict"] == "allowed" for r in flows.values())

@@ -1,5 +1,6 @@
 """Audit records end to end (issue 12 point 7): a TCP flow and a UDP flow from the guest's own kernel
-through the four namespaces of test_router_e2e.py, recorded at the daemon's clean stop with their bytes.
+through the four namespaces of test_router_e2e.py, recorded with their bytes: the TCP one when both
+kernels have closed it (a FIN each way), the UDP one at the daemon's clean stop.
 
 The UDP echo's sizes are known exactly (five 300-byte datagrams each way: 328 IPv4 bytes each); the TCP
 upload's bytes out are its payload plus one set of headers per wire packet; the records' bytes out add
@@ -10,6 +11,7 @@ apart from the flow table.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from test_router_e2e import CLAIM, HERE, SERVER, Net, _readline, net  # noqa: F401
@@ -20,7 +22,7 @@ from forwarder.egress.router.control_client import call
 pytestmark = pytest.mark.netns
 
 
-def test_a_tcp_and_a_udp_flow_are_recorded_with_their_bytes_at_a_clean_stop(net: Net) -> None:  # noqa: F811
+def test_a_tcp_flow_is_recorded_at_its_close_and_a_udp_flow_at_a_clean_stop_with_their_bytes(net: Net) -> None:  # noqa: F811
     audit = net.tmp / "audit.jsonl"
     d, ctl = _daemon(net, "h1", "10.77.0.2", SBXNET_EGRESS_AUDIT_FILE=str(audit))
     st, body = call(ctl, "PUT", "/v1/claims/c1", {"uds": str(net.tmp / "vm1.vsock"), "exit": "a"})
@@ -33,6 +35,12 @@ def test_a_tcp_and_a_udp_flow_are_recorded_with_their_bytes_at_a_clean_stop(net:
     assert net.client("udp", SERVER) == {"ok": 5}
     size = 1 << 20
     assert net.client("tcp-up", SERVER, str(size))["match"] is True
+    # Both kernels closed the TCP connection (a FIN each way): its record comes CLOSE_LINGER later, at a
+    # tick, long before the idle timeout; the UDP flow lives on until the stop.
+    deadline = time.monotonic() + 30
+    while not (audit.exists() and '"ended":"closed"' in audit.read_text()):
+        assert time.monotonic() < deadline, audit.read_text() if audit.exists() else "no audit file"
+        time.sleep(0.1)
     stopped = _stop(d)
     recs = [json.loads(line) for line in audit.read_text().splitlines()]
     flows = [r for r in recs if r["type"] == "flow"]
@@ -42,7 +50,8 @@ def test_a_tcp_and_a_udp_flow_are_recorded_with_their_bytes_at_a_clean_stop(net:
     u, t = udp[0], tcp[0]
     assert (u["src"], u["dst"]) == (CLAIM, SERVER) == (t["src"], t["dst"])
     assert (u["bytes_out"], u["packets_out"], u["bytes_in"], u["packets_in"]) == (5 * 328, 5, 5 * 328, 5), u
-    assert t["verdict"] == u["verdict"] == "allowed" and t["ended"] == u["ended"] == "stopped"
+    assert t["verdict"] == u["verdict"] == "allowed" and (t["ended"], u["ended"]) == ("closed", "stopped")
+    assert t["end"] == t["last"]  # a closed flow ends with its last packet
     header = t["bytes_out"] - size - len(f"up {size}\n")
     assert 40 * t["packets_out"] <= header <= 60 * t["packets_out"], t  # IPv4 + TCP (+ options) per packet
     assert t["packets_in"] >= 1 and t["bytes_in"] >= 40 * t["packets_in"] + 65, t  # ACKs and the digest line

@@ -1,7 +1,8 @@
 """Audit records of ended flows and usage events, as JSON lines (docs/egress.md, "Audit and usage").
 
 Each flow that ends (idle for ``flow_idle_timeout``, its claim disabled, disarmed, moved away, or the
-daemon stopped cleanly) gives one ``flow`` record: the claim, the 5-tuple (source = the claim's
+daemon stopped cleanly, or a TCP flow ``CLOSE_LINGER`` after its RST or its FIN each way: ``flows.py``)
+gives one ``flow`` record: the claim, the 5-tuple (source = the claim's
 address), inner IPv4 bytes and wire packets each way, the verdict (``allowed``: opened by the claim's own
 packet; ``resumed``: reopened by an inbound segment after a re-arm), start and end (wall clock, seconds)
 and why it ended. A flow refused at its first packet (policy, the internal-address guard, the flow cap or
@@ -56,7 +57,9 @@ def flow_record(claim: str, flow: Flow, why: str, wall_offset: float, now: float
     return {"type": "flow", "claim": claim, **_tuple(flow.key), "bytes_out": flow.bytes_out,
             "packets_out": flow.packets_out, "bytes_in": flow.bytes_in, "packets_in": flow.packets_in,
             "verdict": "resumed" if flow.resumed else "allowed", "start": round(flow.start + wall_offset, 6),
-            "last": round(flow.last + wall_offset, 6), "end": round(now + wall_offset, 6), "ended": why}
+            "last": round(flow.last + wall_offset, 6),
+            # a closed or reset flow ended with its last packet; the others when the table let them go
+            "end": round((flow.last if why in ("closed", "reset") else now) + wall_offset, 6), "ended": why}
 
 
 def refused_record(claim: str, key: FlowKey, reason: str, attempts: int, first: float, last: float,

@@ -26,16 +26,18 @@ from dataclasses import dataclass
 from forwarder.egress.core_types import OK, PREFIX_LEN, REASONS, OutParams, vxlan_eth_prefix
 from forwarder.egress.errors import FlowRefused, InboundRefused
 from forwarder.egress.fastpath import OutboundBatch
-from forwarder.egress.flows import FlowTable, flow_key
+from forwarder.egress.flows import TCP_FIN, TCP_RST, FlowTable, flow_key
 from forwarder.egress.guard import AddressGuard
 from forwarder.egress.limits import WIRE_OVERHEAD, ClaimLimits
 from forwarder.egress.refusals import RefusalLog
-from forwarder.egress.reply import pull_reply, wire_size
+from forwarder.egress.reply import IP_OFF, pull_reply, wire_size
 from forwarder.egress.router.claims import ClaimSpec
 from forwarder.egress.router.settings import ExitSpec
-from forwarder.egress.validate import validate_outbound
+from forwarder.egress.validate import PROTO_TCP, validate_outbound
 from forwarder.egress.vnet import HOST_OFFLOADS, VNET_HDR_LEN
 from sbxnet.errors import RemoteProtocolError
+
+FIN_OR_RST = TCP_FIN | TCP_RST
 
 Buf = bytes | bytearray | memoryview
 
@@ -148,6 +150,8 @@ class ClaimPath:
                 continue
             flow.bytes_out += nbytes - packets * WIRE_OVERHEAD  # the inner IPv4 bytes, as ``sent`` counts
             flow.packets_out += packets
+            if f.proto == PROTO_TCP and (flags := frame[VNET_HDR_LEN + f.l4_offset + 13]) & FIN_OR_RST:
+                self.flows.tcp_flags(flow, flags, False, now)
             offs[k], lens[k] = off, ln
             k += 1
         self._pending = k
@@ -183,6 +187,9 @@ class ClaimPath:
             nbytes, packets = wire_size(frame)
             flow.bytes_in += nbytes
             flow.packets_in += packets
+            if frame[IP_OFF + 9] == PROTO_TCP and (
+                    flags := frame[IP_OFF + (frame[IP_OFF] & 15) * 4 + 13]) & FIN_OR_RST:
+                flows.tcp_flags(flow, flags, True, now)
             rcv.frames += 1
             rcv.packets += packets
             rcv.bytes += nbytes
