@@ -3,8 +3,10 @@ HTTPS ``POST /v1/feed?stream=<n>`` with mTLS from client processes other than th
 a forwarder with a certificate of its own as the tests mint them), each posting a ``--sandboxes``-sandbox
 batch every second in the column format (``sbxnet.protocol.feed.push_columns``). Does the scheduler keep
 up (every batch acknowledged within its second, no growing lag), and what does it cost: the scheduler
-process's CPU (utime + stime from /proc over the measured window) per sandbox update. Every update is
-committed before its 200 (the store's transaction per batch).
+process's CPU (utime + stime from /proc over the measured window) per sandbox update, and that split
+between its main thread (``loop_us``: the event loop, TLS, HTTP and the body's parse) and the rest
+(``store_us``: the store threads). Every update is committed before its 200 (the store's transaction per
+batch).
 
 Run: .venv/bin/python bench/bench_ingest_e2e.py [--streams 100 --procs 4 --sandboxes 1000 --seconds 20
 --arms sqlite-FULL,sqlite-NORMAL,pg --rounds 1]. Arms run interleaved A B ... B A (each arm twice per
@@ -139,7 +141,17 @@ def free_port() -> int:
 
 
 def proc_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return _cpu(Path(f"/proc/{pid}/stat"))
+
+
+def loop_cpu(pid: int) -> float:
+    """The CPU of the process's main thread: the event loop (TLS, HTTP, the body's parse, the answers); the
+    rest of ``proc_cpu`` is the store threads' (the batches' transactions, the timer loop's rounds)."""
+    return _cpu(Path(f"/proc/{pid}/task/{pid}/stat"))
+
+
+def _cpu(stat: Path) -> float:
+    fields = stat.read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
 
 
@@ -188,7 +200,7 @@ def run_arm(arm: str, args: argparse.Namespace, pki: dict[str, Any], work: Path,
             clients.append(subprocess.Popen([sys.executable, __file__, "--client", json.dumps(spec)],
                                             stdout=subprocess.PIPE, cwd=ROOT))
         time.sleep(max(0.0, start - time.time()))
-        cpu0, w0 = proc_cpu(sched.pid), time.time()
+        cpu0, loop0, w0 = proc_cpu(sched.pid), loop_cpu(sched.pid), time.time()
         spy = None
         if args.profile:  # py-spy on the scheduler over the window: collapsed stacks, every thread
             out = args.profile / f"{arm}-{time.time_ns()}.txt"
@@ -196,7 +208,7 @@ def run_arm(arm: str, args: argparse.Namespace, pki: dict[str, Any], work: Path,
                                     "--rate", "200", "--duration", str(int(args.seconds)), "--output", str(out)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(max(0.0, end - time.time()))
-        cpu1, w1 = proc_cpu(sched.pid), time.time()
+        cpu1, loop1, w1 = proc_cpu(sched.pid), loop_cpu(sched.pid), time.time()
         if spy is not None:
             spy.wait(60)
         posts: list[list[float]] = []
@@ -222,7 +234,7 @@ def run_arm(arm: str, args: argparse.Namespace, pki: dict[str, Any], work: Path,
         behind.setdefault(int(post[0]), []).append(post[2] - post[1])
     growth = max((v[-1] - v[0] for v in behind.values()), default=0.0)
     updates = len(ok) * args.sandboxes
-    cpu = cpu1 - cpu0
+    cpu, loop = cpu1 - cpu0, loop1 - loop0
     return {
         "arm": arm, "batches": len(window), "ok": len(ok), "late": len(late),
         "statuses": sorted({int(p[4]) for p in window}),
@@ -231,6 +243,8 @@ def run_arm(arm: str, args: argparse.Namespace, pki: dict[str, Any], work: Path,
         "lat_max_ms": 1000 * lat[-1] if lat else float("nan"), "lag_growth_s": growth,
         "updates_per_s": updates / (w1 - w0), "sched_cpu_s": cpu, "sched_cpu_frac": cpu / (w1 - w0),
         "us_per_update": 1e6 * cpu / updates if updates else float("nan"),
+        "loop_us": 1e6 * loop / updates if updates else float("nan"),
+        "store_us": 1e6 * (cpu - loop) / updates if updates else float("nan"),
         "updates_per_cpu_s": updates / cpu if cpu else float("nan"), "client_cpu_s": client_cpu,
     }
 
@@ -300,7 +314,8 @@ def main() -> int:
     print(f"{args.streams} streams x {args.sandboxes} sandboxes every second from {args.procs} client processes; "
           f"{args.seconds:g} s measured after {args.warmup:g} s")
     cols = ("arm", "ok", "batches", "late", "lat_p50_ms", "lat_p99_ms", "lat_max_ms", "lag_growth_s",
-            "updates_per_s", "sched_cpu_frac", "us_per_update", "updates_per_cpu_s", "client_cpu_s")
+            "updates_per_s", "sched_cpu_frac", "us_per_update", "loop_us", "store_us", "updates_per_cpu_s",
+            "client_cpu_s")
     print(" | ".join(cols))
     for r in results:
         print(" | ".join(_fmt(r[c]) for c in cols) + ("" if r["statuses"] == [200] else f"  statuses {r['statuses']}"))
@@ -308,7 +323,8 @@ def main() -> int:
     for arm in arms:
         rs = [r for r in results if r["arm"] == arm]
         parts = []
-        for c in ("late", "lat_p99_ms", "updates_per_s", "sched_cpu_frac", "us_per_update", "updates_per_cpu_s"):
+        for c in ("late", "lat_p99_ms", "updates_per_s", "sched_cpu_frac", "us_per_update", "loop_us", "store_us",
+                  "updates_per_cpu_s"):
             v = [r[c] for r in rs]
             parts.append(f"{c} {_fmt(statistics.median(v))} [{_fmt(min(v))}..{_fmt(max(v))}]")
         goal = statistics.median(r["updates_per_cpu_s"] for r in rs) >= GOAL_PER_CPU_S and all(
