@@ -1,8 +1,8 @@
 """The ``userspace`` data plane: TLS in user space over the link's memory BIOs, bytes copied.
 
 It is the benchmark's middle stage and the path for kernels without TLS, chosen explicitly. Each
-direction is a task while its bytes move; once its socket has nothing to read it parks (``_Tunnel``):
-the task ends, the socket waits in the loop's one epoll set for parked sockets
+direction is a task while its bytes move; once its socket has had nothing to read for ``PARK_AFTER_S``
+it parks (``_Tunnel``): the task ends, the socket waits in the loop's one epoll set for parked sockets
 (``userspace_parking.py``), and a fresh task starts when bytes come, so an idle tunnel holds no task,
 coroutine, future or loop reader of its own, only the task of the connection that waits for its end.
 Sockets are tried before they are waited on (a loop round trip per read costs more than the read),
@@ -11,8 +11,8 @@ the peer cannot take yet is waited on before the next read: that is the back-pre
 Decrypted bytes go to a buffer borrowed from the thread's pool (``memory.py``) while they move and given
 back before the next wait, so an idle tunnel holds no plaintext buffer; OpenSSL releases its own record
 buffers between records (CPython sets SSL_MODE_RELEASE_BUFFERS on every context), and the memory BIOs'
-buffers, which OpenSSL never shrinks, are given back once the handshake is over and when a direction has
-stayed parked for ``BIO_IDLE_S`` with its BIO grown past ``BIO_KEEP`` (``memory.release_bio_buffers``).
+buffers, which OpenSSL never shrinks, are given back once the handshake is over and whenever a direction
+parks with its BIO grown past ``BIO_KEEP`` (``memory.release_bio_buffers``).
 From the gateway, close_notify ends that direction (FIN to the sandbox, the other direction goes on);
 a TCP FIN without close_notify before it resets both sides, as a reset does.
 """
@@ -43,13 +43,15 @@ FEED_SIZE = 64 * 1024
 PLAINTEXT_SIZE = 256 * 1024
 RAW_KEEP = 4  # given-back buffers each pool of the loop thread keeps for the next burst
 PLAIN_KEEP = 8
-# A direction parked for BIO_IDLE_S gives back its BIO's buffer if it has grown past BIO_KEEP (a full
-# record: 22 KiB; a 64 KiB slice: 87 KiB); the handshake's size is kept, so small exchanges do not free and
-# grow it again. Not at every park: during a transfer a direction parks whenever its socket runs dry, and
-# handing the buffer back each time (freed, grown again, its pages faulted in) cost a quarter more CPU
-# per byte (bench/forwarder_hop.py, 256 MiB on 1 and 8 tunnels: 1.64 against 1.32 hop CPU-s/GB).
+# A direction whose socket runs dry waits for it in its task for up to PARK_AFTER_S, and only then parks.
+# During a transfer a socket runs dry over and over for moments; parking each time (the task ended, the
+# socket in and out of the parking lot, a new task) and handing the BIO's buffer back each time (freed,
+# grown again, its pages faulted in) cost 15-25% more CPU per byte (bench/forwarder_hop.py, 256 MiB on 1
+# and 8 tunnels). An idle tunnel is parked half a second after its last byte.
+PARK_AFTER_S = 0.5
+# A direction that parks gives back its BIO's buffer once it has grown past this (a full record: 22 KiB; a
+# 64 KiB slice: 87 KiB); the handshake's size is kept, so small exchanges do not free and grow it again.
 BIO_KEEP = 4 * 1024
-BIO_IDLE_S = 0.25
 
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     fut: asyncio.Future[None] = loop.create_future()
@@ -64,6 +66,24 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
 def _set_done(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+async def _readable_soon(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
+    """True once ``sock`` is readable, False if it has not been for ``PARK_AFTER_S`` (the direction parks)."""
+    fut: asyncio.Future[bool] = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, _settle, fut, True)
+    timer = loop.call_later(PARK_AFTER_S, _settle, fut, False)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
+        loop.remove_reader(fd)
+
+
+def _settle(fut: asyncio.Future[bool], readable: bool) -> None:
+    if not fut.done():
+        fut.set_result(readable)
 
 
 async def _send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: memoryview) -> None:
@@ -149,8 +169,8 @@ class _Tunnel:
     (``up_result``, ``down_result``) and wakes the future of :meth:`next_end`. One object with a slot
     per field, not lists: this is what an idle tunnel holds."""
 
-    __slots__ = ("_h", "_loop", "_plane", "_release_due", "_stopped", "_wake", "down_parked", "down_result",
-                 "down_task", "drained", "up_parked", "up_result", "up_task")
+    __slots__ = ("_h", "_loop", "_plane", "_stopped", "_wake", "down_parked", "down_result", "down_task",
+                 "drained", "up_parked", "up_result", "up_task")
 
     def __init__(self, plane: UserspacePlane, h: Handoff) -> None:
         self._plane = plane
@@ -164,7 +184,6 @@ class _Tunnel:
         self.down_result: object = _RUNNING
         self._wake: asyncio.Future[None] | None = None
         self._stopped = False
-        self._release_due = False  # a _release_idle call is scheduled
 
     def start(self) -> None:
         self._start_up()
@@ -184,8 +203,9 @@ class _Tunnel:
         exc = self._ended(task)
         if exc is False:
             self.up_parked = True
-            parking_lot(self._loop).park(self._h.link.sock.fileno(), self)
-            self._release_later()
+            link = self._h.link
+            parking_lot(self._loop).park(link.sock.fileno(), self)
+            release_bio_buffers(link.ssl, (link.incoming,), BIO_KEEP)
         elif exc is not True:
             self.up_result = exc
             self._wake_up()
@@ -196,8 +216,9 @@ class _Tunnel:
         exc = self._ended(task)
         if exc is False:
             self.down_parked = True
+            link = self._h.link
             parking_lot(self._loop).park(self._h.upstream.fileno(), self)
-            self._release_later()
+            release_bio_buffers(link.ssl, (link.outgoing,), BIO_KEEP)
         elif exc is not True:
             self.down_result = exc
             self._wake_up()
@@ -217,22 +238,6 @@ class _Tunnel:
     def _wake_up(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
-
-    def _release_later(self) -> None:
-        if not self._release_due:
-            self._release_due = True
-            self._loop.call_later(BIO_IDLE_S, self._release_idle)
-
-    def _release_idle(self) -> None:
-        """Hand back the grown buffers of the BIOs whose directions are parked now (the one that goes from
-        the gateway reads the incoming BIO, the other fills the outgoing one)."""
-        self._release_due = False
-        if self._stopped:
-            return
-        link = self._h.link
-        bios = (link.incoming,) * self.up_parked + (link.outgoing,) * self.down_parked
-        if bios:
-            release_bio_buffers(link.ssl, bios, BIO_KEEP)
 
     def readable(self, fd: int) -> None:
         """A parked direction's socket is readable (it has left the lot): start its task again."""
@@ -336,8 +341,8 @@ class UserspacePlane:
             abort(h.upstream)
 
     async def _gateway_to_sandbox(self, h: Handoff, drained: _Drained) -> bool:
-        """Gateway to sandbox until the socket has nothing to read (False: the direction parks, holding
-        no buffer) or close_notify came (True, after the sandbox's SHUT_WR)."""
+        """Gateway to sandbox until the socket has had nothing to read for PARK_AFTER_S (False: the direction
+        parks, holding no buffer) or close_notify came (True, after the sandbox's SHUT_WR)."""
         loop = asyncio.get_running_loop()
         sock, up, meter = h.link.sock, h.upstream, h.meter
         if h.leftover:
@@ -354,9 +359,19 @@ class UserspacePlane:
                 try:
                     got = sock.recv_into(raw)
                 except BlockingIOError:
-                    return False  # idle until the socket is readable: the buffers go back below
+                    got = -1
                 except OSError as e:
                     raise _Reset("gateway") from e
+                if got < 0:
+                    # Idle: hold no buffer meanwhile; park if it lasts (not while an exception is held).
+                    raws.give(raw)
+                    raw = None
+                    if plain is not None:
+                        plains.give(plain)
+                        plain = None
+                    if not await _readable_soon(loop, sock):
+                        return False
+                    continue
                 if not got:
                     # TCP FIN with no close_notify before it (that ends the loop below): a cut, or an
                     # attacker's truncation, not an orderly end. Both sides are reset, as for a reset.
@@ -421,8 +436,8 @@ class UserspacePlane:
                 return n, eof
 
     async def _sandbox_to_gateway(self, h: Handoff, drained: _Drained) -> bool:
-        """Sandbox to gateway until the socket has nothing to read (False: the direction parks) or its
-        end of stream, passed on as close_notify and FIN (True)."""
+        """Sandbox to gateway until the socket has had nothing to read for PARK_AFTER_S (False: the direction
+        parks) or its end of stream, passed on as close_notify and FIN (True)."""
         loop = asyncio.get_running_loop()
         sock, up, tls, meter = h.link.sock, h.upstream, h.link.ssl, h.meter
         raws = thread_pool(RECV_SIZE, RAW_KEEP)
@@ -434,9 +449,15 @@ class UserspacePlane:
                 try:
                     n = up.recv_into(raw)
                 except BlockingIOError:
-                    return False  # idle until the socket is readable: the buffer goes back below
+                    n = -1
                 except OSError as e:
                     raise _Reset("sandbox") from e
+                if n < 0:
+                    raws.give(raw)
+                    raw = None
+                    if not await _readable_soon(loop, up):
+                        return False
+                    continue
                 if n == 0:
                     break
                 for off in range(0, n, FEED_SIZE):
