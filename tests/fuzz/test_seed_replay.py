@@ -20,6 +20,7 @@ import fuzz_control_body
 import fuzz_egress_frames
 import fuzz_feed
 import fuzz_feed_text
+import fuzz_h1_codec
 import fuzz_h2_frames
 import fuzz_names
 import fuzz_preamble
@@ -74,6 +75,13 @@ CONTROL_BODY_CASES = ("too_long-*", "not_utf8-*", "not_json-*-nan", "not_json-*-
 # The inbound flow key (tests/fuzz/make_reply_seeds.py): what may reopen a flow, and quotes that are not the claim's.
 REPLY_CASES = ("ok-tcp-ack-resumable", "ok-tcp-syn", "ok-tcp-rst", "ok-tcp-merged-*", "ok-icmp-frag-needed-*",
                "bad_reply-icmp-error-quotes-another", "bad_reply-icmp-error-quote-*")
+# The gateway's HTTP/1.1 codec (tests/fuzz/make_h1_codec_seeds.py): the smuggling corpus with the reason
+# each refusal is counted under, h11's own refusals, and both sides' framings that pass.
+H1_CODEC_CASES = ("content_length_with_transfer_encoding-*", "duplicate_content_length-*", "obs_fold-*",
+                  "bad_request-te-obfuscated", "bad_request-nul-in-value", "bad_request-control-in-name",
+                  "bad_request-no-host", "header_too_large-*", "upgrade_with_body-*", "truncated-*",
+                  "bad_response-*", "ok-pipelined-*", "ok-websocket-upgrade-then-bytes", "ok-head-response-*",
+                  "ok-switch-101-then-bytes", "ok-response-ends-by-close", "ok-post-chunked-with-trailers")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
@@ -90,6 +98,7 @@ CORPORA = (
     Corpus("routes", fuzz_routes, 100, ROUTES_CASES, named_outcome=True),
     Corpus("control_body", fuzz_control_body, 40, CONTROL_BODY_CASES, named_outcome=True),
     Corpus("reply", fuzz_reply, 20, REPLY_CASES, named_outcome=True),
+    Corpus("h1_codec", fuzz_h1_codec, 40, H1_CODEC_CASES, named_outcome=True),
 )
 BY_NAME = {c.name: c for c in CORPORA}
 

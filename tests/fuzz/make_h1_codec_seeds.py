@@ -1,0 +1,139 @@
+"""Regenerates the HTTP/1.1 codec seed corpus under tests/seeds/h1_codec/ (run by hand; the files are committed).
+
+Each seed is what ``fuzz_h1_codec.one_input`` takes: one byte choosing the side (``S`` the client
+connection's, ``G``/``H``/``U`` a link's after a GET, a HEAD, an upgrade request), then the peer's bytes;
+each is named ``<expected>-<what>`` (``ok`` or the refusal's reason), which the replay checks with
+``classify``. The well-formed messages are written by h11 (an encoder that is not the codec's); the
+smuggling corpus and the broken ones by hand. Usage: .venv/bin/python tests/fuzz/make_h1_codec_seeds.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import h11
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE.parent / "seeds" / "h1_codec"
+HOST = b"Host: a.test\r\n"
+
+
+def h11_request(method: str, target: str, headers: list[tuple[str, str]], body: Sequence[bytes] = (),
+                trailers: Sequence[tuple[str, str]] = ()) -> bytes:
+    c = h11.Connection(h11.CLIENT)
+    out = c.send(h11.Request(method=method, target=target, headers=[("host", "a.test"), *headers])) or b""
+    for b in body:
+        out += c.send(h11.Data(data=b)) or b""
+    return out + (c.send(h11.EndOfMessage(headers=list(trailers))) or b"")
+
+
+def h11_response(status: int, headers: list[tuple[str, str]], body: Sequence[bytes] = (),
+                 trailers: Sequence[tuple[str, str]] = (), method: str = "GET") -> bytes:
+    s = h11.Connection(h11.SERVER)
+    s.receive_data(h11_request(method, "/", []))
+    while s.next_event() is not h11.NEED_DATA:
+        pass
+    out = s.send(h11.Response(status_code=status, headers=headers)) or b""
+    for b in body:
+        out += s.send(h11.Data(data=b)) or b""
+    return out + (s.send(h11.EndOfMessage(headers=list(trailers))) or b"")
+
+
+def seeds() -> dict[str, bytes]:
+    s: dict[str, bytes] = {}
+    # Requests that pass.
+    s["ok-get"] = b"S" + h11_request("GET", "/x?y=1", [("accept", "*/*")])
+    s["ok-post-length"] = b"S" + h11_request("POST", "/p", [("content-length", "5")], [b"hello"])
+    s["ok-post-chunked-with-trailers"] = b"S" + h11_request(
+        "POST", "/p", [("transfer-encoding", "chunked")], [b"abc", b"defgh"], [("x-checksum", "1")])
+    s["ok-pipelined-three"] = b"S" + h11_request("GET", "/1", []) + h11_request(
+        "POST", "/2", [("content-length", "2")], [b"ab"]) + h11_request("GET", "/3", [("connection", "close")])
+    s["ok-http10"] = b"S" + b"GET / HTTP/1.0\r\n\r\n"
+    s["ok-absolute-form"] = b"S" + b"GET http://a.test/x HTTP/1.1\r\n" + HOST + b"\r\n"
+    s["ok-expect-100-continue"] = b"S" + h11_request("PUT", "/u", [("expect", "100-continue"),
+                                                                    ("content-length", "3")], [b"abc"])
+    s["ok-websocket-upgrade-then-bytes"] = (b"S" + b"GET /ws HTTP/1.1\r\n" + HOST +
+                                            b"Connection: Upgrade\r\nUpgrade: websocket\r\n\r\n\x81\x05hello")
+    s["ok-chunk-extension"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Transfer-Encoding: chunked\r\n\r\n3;name=v\r\nabc\r\n0\r\n\r\n")
+    s["ok-empty"] = b"S"
+    # The smuggling corpus (tests/gateway/test_gateway_http.py) and what h11 refused.
+    s["content_length_with_transfer_encoding-cl-te"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    s["content_length_with_transfer_encoding-te-cl"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n0\r\n\r\n")
+    s["duplicate_content_length-cl-cl"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Content-Length: 4\r\nContent-Length: 4\r\n\r\nabcd")
+    s["bad_request-cl-list"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + b"Content-Length: 4, 5\r\n\r\nabcd"
+    s["bad_request-cl-negative"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + b"Content-Length: -1\r\n\r\n"
+    s["bad_request-te-obfuscated"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n")
+    s["bad_request-te-gzip-chunked"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n")
+    s["bad_request-te-space-before-colon"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Transfer-Encoding : chunked\r\n\r\n0\r\n\r\n")
+    s["obs_fold-folded-line"] = b"S" + b"GET / HTTP/1.1\r\n" + HOST + b"X-A: 1\r\n  folded\r\n\r\n"
+    s["bad_request-nul-in-value"] = b"S" + b"GET / HTTP/1.1\r\n" + HOST + b"X-A: a\x00b\r\n\r\n"
+    s["bad_request-control-in-name"] = b"S" + b"GET / HTTP/1.1\r\n" + HOST + b"X\x01A: b\r\n\r\n"
+    s["bad_request-bare-lf"] = b"S" + b"GET / HTTP/1.1\nHost: a.test\n\n"
+    s["bad_request-no-host"] = b"S" + b"GET / HTTP/1.1\r\n\r\n"
+    s["bad_request-two-hosts"] = b"S" + b"GET / HTTP/1.1\r\n" + HOST + HOST + b"\r\n"
+    s["bad_request-http2-version"] = b"S" + b"GET / HTTP/2.0\r\n" + HOST + b"\r\n"
+    s["bad_request-bad-chunk-size"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n")
+    s["bad_request-chunk-without-crlf"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + (
+        b"Transfer-Encoding: chunked\r\n\r\n3\r\nabcd\r\n0\r\n\r\n")
+    s["upgrade_with_body-websocket-post"] = b"S" + b"POST /ws HTTP/1.1\r\n" + HOST + (
+        b"Connection: upgrade\r\nUpgrade: websocket\r\nContent-Length: 2\r\n\r\nab")
+    s["header_too_large-one-long-header"] = b"S" + b"GET / HTTP/1.1\r\n" + HOST + b"X-Big: " + b"a" * 5000 + b"\r\n\r\n"
+    s["header_too_large-endless-head"] = b"S" + b"GET / HTTP/1.1\r\n" + HOST + b"X-Drip: 1\r\n" * 500
+    s["truncated-body-cut"] = b"S" + b"POST / HTTP/1.1\r\n" + HOST + b"Content-Length: 10\r\n\r\nabc"
+    s["bad_request-second-pipelined-broken"] = (b"S" + h11_request("GET", "/1", [])
+                                                + b"GET / HTTP/1.1\r\nX\x00: 1\r\n\r\n")
+    s["bad_request-garbage"] = b"S" + b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"
+    # Responses that pass.
+    s["ok-response-length"] = b"G" + h11_response(200, [("content-length", "5")], [b"hello"])
+    s["ok-response-chunked-trailers"] = b"G" + h11_response(200, [("transfer-encoding", "chunked")], [b"ab", b"cd"],
+                                                            [("grpc-status", "0")])
+    s["ok-response-ends-by-close"] = b"G" + b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it"
+    s["ok-response-http10"] = b"G" + b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    s["ok-response-100-then-200"] = b"G" + b"HTTP/1.1 100 Continue\r\n\r\n" + h11_response(
+        200, [("content-length", "2")], [b"ok"])
+    s["ok-response-204-with-length"] = b"G" + b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n"
+    s["ok-response-304"] = b"G" + b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n"
+    s["ok-response-empty-reason"] = b"G" + b"HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\nok"
+    s["ok-response-keep-alive-two"] = b"G" + h11_response(200, [("content-length", "1")], [b"a"]) + h11_response(
+        404, [("content-length", "1")], [b"b"])
+    s["ok-head-response-with-length"] = b"H" + b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"
+    s["ok-head-response-chunked"] = b"H" + b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    s["ok-head-response-after-100"] = (b"H" + b"HTTP/1.1 100 Continue\r\n\r\n"
+                                       b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n")
+    s["ok-switch-101-then-bytes"] = (b"U" + b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
+                                     b"Upgrade: websocket\r\n\r\n\x81\x02hi")
+    s["ok-upgrade-refused-200"] = b"U" + h11_response(200, [("content-length", "2")], [b"no"])
+    s["bad_response-101-unasked"] = (b"G" + b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
+                                     b"Upgrade: x\r\n\r\n")
+    s["bad_response-garbage"] = b"G" + b"SSH-2.0-OpenSSH_9.2\r\n"
+    s["bad_response-te-gzip"] = b"G" + b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nabc"
+    s["bad_response-cl-te"] = (b"G" + b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               b"0\r\n\r\n")
+    s["bad_response-head-too-large"] = b"G" + b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"
+    s["bad_response-head-too-large-for-head"] = b"H" + b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"
+    s["truncated-response-cut"] = b"G" + b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"
+    s["truncated-response-head-cut"] = b"G" + b"HTTP/1.1 200 OK\r\nContent-Le"
+    s["truncated-head-response-head-cut"] = b"H" + b"HTTP/1.1 200 OK\r\nContent-Le"
+    return s
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.iterdir():
+        old.unlink()
+    for name, data in seeds().items():
+        (OUT / name).write_bytes(data)
+    print(f"{len(seeds())} seeds in {OUT}")
+
+
+if __name__ == "__main__":
+    main()
