@@ -1,25 +1,28 @@
 """One HTTP/1.1 client connection: every request routed, authenticated and proxied on its own.
 
-h11 parses both sides (the client's requests, the sandbox app's responses); nothing here parses HTTP
-except one extra defence before h11's (``smuggling_reason``: h11 folds duplicate identical
-Content-Length headers, lets Transfer-Encoding win over Content-Length and unfolds obs-fold lines, all of
-which a request smuggler relies on, so each is refused with 400 before anything goes upstream).
+``h1_codec`` (httptools, llhttp in C, underneath) parses both sides (the client's requests, the sandbox
+app's responses) and writes both; nothing here parses HTTP. What it refuses (request smuggling's tricks:
+Content-Length with Transfer-Encoding, a duplicate Content-Length, obs-fold, control bytes, any
+Transfer-Encoding but chunked; a head over ``max_header_bytes``: 431) is answered with its status and
+reason token and the connection closed, before anything goes upstream.
 
 Per request: the head within ``header_timeout``; ``routing.request_target`` (400, 421) and the route
 (``routing.decide_http``: 404), a wake if the sandbox is not active (503 with Retry-After if it does not
 come up), ``auth.authorize`` (401, 403, or the ``?token=`` redirect), then the link to the sandbox's
 forwarder (``upstream.open_upstream``; 502/503/504 from it). Only then does a request byte go upstream,
 so no request is ever sent twice. The request body and the response stream both ways at once, never
-buffered whole. Keep-alive and pipelining (h11 queues pipelined requests), WebSocket and other upgrades
-(after a 101 the bytes pass through both ways by the raw routes' rule, ``relay.relay``: close_notify ends
+buffered whole. Keep-alive and pipelining (the codec queues pipelined requests), WebSocket and other
+upgrades (after a 101 the bytes pass through both ways by the raw routes' rule, ``relay.relay``: close_notify ends
 one direction and is passed on, a TCP FIN without close_notify, a reset or a TLS error resets both sides,
 ``websocket_idle_timeout`` without a byte too). Once a response byte has gone
 to the client nothing is retried or synthesised: a failure then closes the connection.
 
 How connections end. The link to the sandbox is kept between requests to the same sandbox port; once no
-exchange is under way on it (h11's states IDLE, or the app's MUST_CLOSE after a whole response) it is
-closed in order (close_notify then FIN, ``relay.close_cleanly``: the app reads an end of stream), and it is
-aborted (the forwarder passes a reset on to the app) only when a request or response was cut. The client
+exchange is under way on it (no request sent since the last whole exchange, or the app's close after a
+whole response) it is closed in order (close_notify then FIN, ``relay.close_cleanly``: the app reads an
+end of stream), and it is aborted (the forwarder passes a reset on to the app) only when a request or
+response was cut. A link whose app sent bytes nobody asked for after a response (``H1Client.unfit``) is
+not reused. The client
 connection is closed in order too when the gateway ends it by choice: ``idle_timeout``, a drain, an exchange
 after which HTTP/1.1 says close (``Connection: close``, HTTP/1.0). On a drain (``drain``) a connection waiting
 for its next request is closed at once; one with a request in flight gets ``Connection: close`` on its
@@ -45,15 +48,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import h11
-
+from gateway import h1_codec as h1
 from gateway.auth import Allow, Deny, Redirect, authorize
 from gateway.names import Name, NameRefused, Names
 from gateway.relay import close_cleanly, drop_link, relay
 from gateway.route_source import RouteLookupFailed
 from gateway.routing import Answer, Forward, decide_http, request_target, requested_port
 from gateway.upstream import Upstream, UpstreamFailed
-from sbxnet.errors import LocalProtocolError
+from sbxnet.errors import LocalProtocolError, RemoteProtocolError
 from sbxnet.tls_stream import TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
@@ -73,24 +75,6 @@ def replayable(method: bytes, headers: Any) -> bool:
         if n.lower() == b"transfer-encoding" or (n.lower() == b"content-length" and v.strip() != b"0"):
             return False
     return True
-
-
-def smuggling_reason(raw_head: bytes) -> str | None:
-    """A reason to refuse a request head that h11 would accept but a smuggler could exploit, or None."""
-    cl = te = 0
-    for line in raw_head.split(b"\r\n")[1:]:
-        if line[:1] in (b" ", b"\t"):
-            return "obs_fold"  # h11 unfolds it (RFC 9112 5.2 lets a server); a proxy must not pass it on
-        name = line.split(b":", 1)[0].strip().lower()
-        if name == b"content-length":
-            cl += 1
-        elif name == b"transfer-encoding":
-            te += 1
-    if cl > 1:
-        return "duplicate_content_length"
-    if cl and te:
-        return "content_length_with_transfer_encoding"
-    return None
 
 
 @dataclass(frozen=True)
@@ -235,7 +219,7 @@ class _KeptLinkFailed(Exception):
 class _Up:
     key: tuple[str, int]
     upstream: Upstream
-    conn: h11.Connection
+    conn: h1.H1Client
     reused: bool = False  # kept from an earlier exchange (not opened for this one)
 
 
@@ -250,9 +234,8 @@ class H1Session:
         self.conn_name = conn_name
         self.bad_sni = bad_sni
         self.conn_id = conn_id
-        self.h = h11.Connection(h11.SERVER, max_incomplete_event_size=gw.config.max_header_bytes)
+        self.h = h1.H1Server(gw.config.max_header_bytes)
         self.up: _Up | None = None
-        self._head = bytearray()
         self._requests = 0
         self._rec = RequestLog("http/1.1", conn_id, time.monotonic())  # the request being served
         self.kind = "http/1.1"  # "upgrade" once its bytes are piped (what a drain's cut counts it as)
@@ -271,36 +254,30 @@ class H1Session:
 
     # -- reading the client ------------------------------------------------------------------------
 
-    def _feed(self, data: bytes) -> None:
-        if self.h.their_state is h11.IDLE and len(self._head) <= self.gw.config.max_header_bytes:
-            self._head += data  # the raw head, for smuggling_reason (h11 keeps its own copy private)
-        self.h.receive_data(data)
-
     async def _client_event(self) -> Any:
         while True:
             ev = self.h.next_event()
-            if ev is not h11.NEED_DATA:
+            if ev is not h1.NEED_DATA:
                 return ev
             try:
                 data = await self.client.read()
             except OSError:
                 raise _ClientGone() from None
-            self._feed(data)
+            self.h.receive_data(data)
 
-    async def _next_request(self) -> h11.Request | None:
+    async def _next_request(self) -> h1.Request | None:
         """The next request head, or None when the client closed or stayed idle too long. The first head
         must be whole within header_timeout of the handshake; a later one may wait idle_timeout for its
         first byte, then has header_timeout for the rest (so a slow drip is cut, an idle keep-alive is not)."""
         cfg = self.gw.config
-        self._head = bytearray(self.h.trailing_data[0])  # pipelined bytes already received
-        if self._requests and not self._head:
+        if self._requests and not self.h.has_pending:  # no pipelined bytes already received
             data = await self._idle_read(cfg.idle_timeout)
             if data is None:
                 return None
-            self._feed(data)
+            self.h.receive_data(data)
         async with asyncio.timeout(cfg.header_timeout):
             ev = await self._client_event()
-        return ev if isinstance(ev, h11.Request) else None
+        return ev if isinstance(ev, h1.Request) else None
 
     async def _idle_read(self, timeout: float) -> bytes | None:
         """The first bytes of a next request; None when ``timeout`` passed or the gateway drains first (the
@@ -322,11 +299,6 @@ class H1Session:
 
     # -- answering ourselves -----------------------------------------------------------------------
 
-    async def _send(self, event: Any) -> None:
-        data = self.h.send(event)
-        if data:
-            await self.client.write(data)
-
     async def answer(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None,
                      *, close: bool = False, reason: str = "") -> None:
         body = (message + "\n").encode()
@@ -338,14 +310,8 @@ class H1Session:
         if reason:
             self.gw.metrics.refusals.labels(reason).inc()
         self._rec.status, self._rec.reason = status, reason
-        try:
-            await self._send(h11.Response(status_code=status, headers=hdrs))
-            await self._send(h11.Data(data=body))
-            self._rec.bytes_down += len(body)
-            await self._send(h11.EndOfMessage())
-        except h11.LocalProtocolError:
-            # The client's side is not in a state to take a response (it broke the protocol): just close.
-            pass
+        await self.client.write(self.h.send_response(status, hdrs) + self.h.send_data(body) + self.h.send_eom())
+        self._rec.bytes_down += len(body)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -359,12 +325,13 @@ class H1Session:
                 except TimeoutError:
                     self.gw.metrics.refusals.labels("header_timeout").inc()
                     return
-                except h11.RemoteProtocolError as e:
-                    status = 431 if e.error_status_hint == 431 else 400
+                except h1.H1Error as e:
+                    status = 431 if e.http_status == 431 else 400
                     self._rec = RequestLog("http/1.1", self.conn_id, time.monotonic())
+                    self._rec.set_method(e.method)
                     try:
                         await self.answer(status, "bad request" if status == 400 else "request header too large",
-                                          close=True, reason="bad_request" if status == 400 else "header_too_large")
+                                          close=True, reason=e.reason)
                     finally:
                         self._rec.emit()
                     return
@@ -383,12 +350,12 @@ class H1Session:
                     self._rec.emit()
                 if not keep:
                     return
-                if self.h.our_state is h11.MUST_CLOSE or self._drained.done():
+                if self.h.must_close or self._drained.done():
                     orderly = True  # the exchange is whole, and HTTP/1.1 (or the drain) says close
                     return
                 try:
                     self.h.start_next_cycle()
-                except h11.LocalProtocolError:
+                except LocalProtocolError:
                     return
         except _ClientGone:
             return
@@ -413,7 +380,7 @@ class H1Session:
         otherwise), the client in order when the gateway chose to end it (closed, not reset, otherwise)."""
         closes: list[Awaitable[bool]] = []
         if up is not None:
-            if up.conn.our_state is h11.IDLE and up.conn.their_state is h11.IDLE:
+            if up.conn.idle:
                 closes.append(close_cleanly(up.upstream.stream))
             else:
                 up.upstream.stream.abort()
@@ -432,19 +399,8 @@ class H1Session:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def _one(self, req: h11.Request) -> bool:
+    async def _one(self, req: h1.Request) -> bool:
         """Handle one request; False when the connection must close."""
-        cfg = self.gw.config
-        raw = bytes(self._head)
-        end = raw.find(b"\r\n\r\n")
-        if end < 0 or end + 4 > cfg.max_header_bytes:
-            # h11 bounds only a head still incomplete; one that arrived whole in one read is held here.
-            await self.answer(431, "request header too large", close=True, reason="header_too_large")
-            return False
-        bad = smuggling_reason(raw[:end])
-        if bad:
-            await self.answer(400, "bad request", close=True, reason=bad)
-            return False
         if self.bad_sni:
             await self.answer(421, "this connection's server name is not served here", reason="misdirected")
             return await self._drain_body()
@@ -462,16 +418,17 @@ class H1Session:
             async with asyncio.timeout(self.gw.config.header_timeout):
                 while True:
                     ev = await self._client_event()
-                    if isinstance(ev, h11.EndOfMessage):
+                    if isinstance(ev, h1.EndOfMessage):
                         return True
-                    if isinstance(ev, h11.ConnectionClosed):
+                    if isinstance(ev, h1.ConnectionClosed):
                         return False
-        except (TimeoutError, h11.RemoteProtocolError):
+        except (TimeoutError, RemoteProtocolError):
             return False
 
     # -- proxying ----------------------------------------------------------------------------------
 
-    def _upstream_head(self, req: h11.Request, allow: Allow, host: str) -> h11.Request:
+    def _upstream_head(self, req: h1.Request, allow: Allow, host: str, conn: h1.H1Client) -> bytes:
+        """The request head for the link (``conn``'s body framing follows from its headers)."""
         target = allow.target
         if not target.startswith(b"/") and target != b"*":
             parts = urlsplit(target.decode("ascii"))
@@ -491,11 +448,11 @@ class H1Session:
         headers.insert(0, (b"host", host.encode()))
         if upgrade:
             headers.append((b"connection", b"upgrade"))
-        return h11.Request(method=req.method, target=target, headers=headers, http_version=b"1.1")
+        return conn.send_request(req.method, target, headers)
 
     async def _link(self, fwd: Forward) -> _Up:
         key = (fwd.sandbox, fwd.port)
-        if self.up is not None and self.up.key == key and self.up.conn.our_state is h11.IDLE:
+        if self.up is not None and self.up.key == key and self.up.conn.idle:
             if self.up.upstream.stream.usable_idle():
                 self.up.reused = True
                 return self.up
@@ -508,12 +465,12 @@ class H1Session:
             self._close_link_later(self.up.upstream.stream)
             self.up = None
         upstream = await self.gw.open_upstream(fwd, self.peer, self.conn_id)
-        self.up = _Up(key, upstream, h11.Connection(h11.CLIENT))
+        self.up = _Up(key, upstream, h1.H1Client())
         if upstream.leftover:
             self.up.conn.receive_data(upstream.leftover)
         return self.up
 
-    async def _proxy(self, req: h11.Request, fwd: Forward, allow: Allow, host: str) -> bool:
+    async def _proxy(self, req: h1.Request, fwd: Forward, allow: Allow, host: str) -> bool:
         try:
             up = await self._link(fwd)
         except UpstreamFailed as e:
@@ -542,27 +499,27 @@ class H1Session:
         finally:
             self.gw.release_sandbox_slot(fwd.sandbox)
 
-    async def _exchange(self, req: h11.Request, fwd: Forward, allow: Allow, host: str, up: _Up) -> bool:
+    async def _exchange(self, req: h1.Request, fwd: Forward, allow: Allow, host: str, up: _Up) -> bool:
         stream = up.upstream.stream
-        head = self._upstream_head(req, allow, host)
+        head = self._upstream_head(req, allow, host, up.conn)
         started = time.monotonic()
-        await stream.write(up.conn.send(head))
+        await stream.write(head)
         body_task = asyncio.create_task(self._pump_request_body(up))
         responded = False
         status = 0
         try:
             while True:
                 ev = up.conn.next_event()
-                if ev is h11.NEED_DATA:
+                if ev is h1.NEED_DATA:
                     data = await stream.read()
                     up.conn.receive_data(data)
                     continue
-                if isinstance(ev, h11.InformationalResponse):
-                    await self._send(h11.InformationalResponse(status_code=ev.status_code,
-                                                               headers=self._response_headers(ev.headers),
-                                                               reason=ev.reason))
+                if isinstance(ev, h1.InformationalResponse):
+                    await self.client.write(self.h.send_informational(ev.status_code,
+                                                                      self._response_headers(ev.headers), ev.reason))
                     responded = True
                     if ev.status_code == 101:
+                        self.h.switched()
                         self._rec.status = 101
                         self.gw.metrics.requests.labels("upgrade", "101").inc()
                         body_task.cancel()
@@ -571,28 +528,33 @@ class H1Session:
                         await self._switch(up)
                         return False
                     continue
-                if isinstance(ev, h11.Response):
+                if isinstance(ev, h1.Response):
                     status = ev.status_code
                     hdrs = self._response_headers(ev.headers)
                     if self._drained.done():
                         hdrs.append((b"connection", b"close"))  # the app's own Connection went with the hop
-                    await self._send(h11.Response(status_code=ev.status_code, headers=hdrs, reason=ev.reason))
+                    await self.client.write(self.h.send_response(status, hdrs, ev.reason,
+                                                                 body_ends_by_close=up.conn.body_ends_by_close))
                     responded = True
                     self._rec.status = status
                     self.gw.metrics.first_byte.observe(time.monotonic() - started)
-                elif isinstance(ev, h11.Data):
-                    await self._send(h11.Data(data=ev.data))
+                elif isinstance(ev, h1.Data):
+                    out = self.h.send_data(ev.data)
+                    if out:
+                        await self.client.write(out)
                     self._rec.bytes_down += len(ev.data)
-                elif isinstance(ev, h11.EndOfMessage):
-                    await self._send(h11.EndOfMessage(headers=ev.headers))
+                elif isinstance(ev, h1.EndOfMessage):
+                    out = self.h.send_eom(ev.headers)
+                    if out:
+                        await self.client.write(out)
                     break
-                elif isinstance(ev, h11.ConnectionClosed):
+                elif isinstance(ev, h1.ConnectionClosed):
                     raise ConnectionResetError("the sandbox closed before its response ended")
             await body_task
         except asyncio.CancelledError:
             body_task.cancel()  # the session resets both ends
             raise
-        except (OSError, h11.ProtocolError, _ClientGone) as e:
+        except (OSError, RemoteProtocolError, LocalProtocolError, _ClientGone) as e:
             body_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await body_task
@@ -606,7 +568,7 @@ class H1Session:
             await self.answer(502, "the sandbox's app broke the connection", close=True, reason="upstream_broken")
             return False
         self.gw.metrics.requests.labels("http", str(status)).inc()
-        if up.conn.our_state is h11.MUST_CLOSE or up.conn.their_state is h11.MUST_CLOSE:
+        if up.conn.must_close:
             self._close_link_later(stream)  # the app said close after a whole response: in order
             self.up = None
         else:
@@ -629,18 +591,20 @@ class H1Session:
         return out
 
     async def _pump_request_body(self, up: _Up) -> None:
-        if self.h.their_state is h11.DONE and up.conn.our_state is h11.SEND_BODY:
+        if self.h.request_done and up.conn.sending_body:
             # A replayed request (``_KeptLinkFailed``): the client's end of it was taken already.
-            await up.upstream.stream.write(up.conn.send(h11.EndOfMessage()))
+            await up.upstream.stream.write(up.conn.send_eom())
             return
-        while up.conn.our_state is h11.SEND_BODY:
+        while not self.h.request_done:  # a request without a body has its end to take too
             ev = await self._client_event()
-            if isinstance(ev, h11.Data):
-                await up.upstream.stream.write(up.conn.send(h11.Data(data=ev.data)))
+            if isinstance(ev, h1.Data):
+                await up.upstream.stream.write(up.conn.send_data(ev.data))
                 self._rec.bytes_up += len(ev.data)
-            elif isinstance(ev, h11.EndOfMessage):
-                await up.upstream.stream.write(up.conn.send(h11.EndOfMessage(headers=ev.headers)))
-            elif isinstance(ev, h11.ConnectionClosed):
+            elif isinstance(ev, h1.EndOfMessage):
+                out = up.conn.send_eom(ev.headers)
+                if out:
+                    await up.upstream.stream.write(out)
+            elif isinstance(ev, h1.ConnectionClosed):
                 raise _ClientGone()
             else:
                 return
@@ -648,8 +612,8 @@ class H1Session:
     async def _switch(self, up: _Up) -> None:
         """After 101: bytes both ways by the raw routes' rule (``relay.relay``): close_notify ends one
         direction and is passed on; a bare FIN, a reset or a TLS error resets both sides."""
-        client_rest, _ = self.h.trailing_data
-        up_rest, _ = up.conn.trailing_data
+        client_rest = self.h.trailing_data
+        up_rest = up.conn.trailing_data
         stream = up.upstream.stream
         self.up = None
         self.kind = "upgrade"
