@@ -14,7 +14,7 @@ sandbox's connection limit, when the certificate this connection presented cover
 connection's first sandbox. Every link it opens is logged under the client connection's ``conn_id``.
 Each stream gets its access-log line when it ends (``http1.RequestLog``), refused, answered or reset.
 
-An ``http`` port: the stream becomes one HTTP/1.1 exchange (h11 client side, on a link to the forwarder
+An ``http`` port: the stream becomes one HTTP/1.1 exchange (``h1_codec.H1Client``, on a link to the forwarder
 opened only once the stream is admitted; after a whole exchange the app kept alive, the link is kept, up to
 ``KEPT_LINKS_PER_PORT`` per sandbox port, for the connection's next stream to that port, and checked before
 that stream uses it, since the app may close an idle connection on its own clock): ``:method :path HTTP/1.1`` with
@@ -75,14 +75,15 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import h11
 
+from gateway import h1_codec as h1
 from gateway import h2c_upstream as h2c
 from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, RequestLog, admit, replayable
 from gateway.names import Name
 from gateway.relay import CLOSE_LINGER, close_cleanly, drop_link
 from gateway.routing import Forward
 from gateway.upstream import UpstreamFailed
+from sbxnet.errors import LocalProtocolError, RemoteProtocolError
 from sbxnet.tls_stream import TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
@@ -91,7 +92,6 @@ MAX_CONCURRENT_STREAMS = 100
 _CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 3.4
 STREAM_WINDOW = 1 << 20  # what a client may send on one stream before we acknowledge it
 CONNECTION_WINDOW = 4 << 20
-_H11_ENDED = (h11.DONE, h11.MUST_CLOSE)  # an h11 side whose message is whole
 KEPT_LINKS_PER_PORT = 8  # idle HTTP/1.1 links kept per sandbox port on one client connection
 
 
@@ -177,7 +177,7 @@ class H2Session:
         self._h2c_all: list[_H2cLink] = []  # every one opened, closed when the client connection ends
         # HTTP/1.1 links whose last exchange was whole and kept alive by the app, for the next stream to
         # the same sandbox port (one exchange at a time on each), by route and port.
-        self._kept: dict[tuple[object, ...], list[tuple[TlsStream, h11.Connection]]] = {}
+        self._kept: dict[tuple[object, ...], list[tuple[TlsStream, h1.H1Client]]] = {}
         self._link_closes: set[asyncio.Task[bool]] = set()  # kept links being closed in order
         self.kind = "h2"
         self._started = False  # our SETTINGS went first: a GOAWAY may follow
@@ -522,7 +522,7 @@ class H2Session:
 
     # -- proxying ----------------------------------------------------------------------------------
 
-    def _upstream_head(self, st: _Stream, method: bytes, d: Admitted) -> h11.Request:
+    def _upstream_head(self, st: _Stream, method: bytes, d: Admitted, conn: h1.H1Client) -> bytes:
         headers: list[tuple[bytes, bytes]] = [(b"host", d.host.encode())]
         has_length = False
         for n, v in d.allow.headers:
@@ -535,7 +535,7 @@ class H2Session:
         if not st.ended and not has_length:
             headers.append((b"transfer-encoding", b"chunked"))
             st.chunked = True
-        return h11.Request(method=method, target=d.allow.target, headers=headers, http_version=b"1.1")
+        return conn.send_request(method, d.allow.target, headers)
 
     async def _proxy(self, st: _Stream, method: bytes, d: Admitted) -> None:
         fwd = d.fwd
@@ -559,7 +559,7 @@ class H2Session:
             self.gw.release_sandbox_slot(fwd.sandbox)
 
     async def _exchange_on(self, st: _Stream, method: bytes, d: Admitted, fwd: Forward, key: tuple[object, ...],
-                           kept: tuple[TlsStream, h11.Connection] | None, *, replay: bool) -> None:
+                           kept: tuple[TlsStream, h1.H1Client] | None, *, replay: bool) -> None:
         """The exchange on ``kept``, or on a link opened now."""
         if kept is not None:
             stream, conn = kept
@@ -572,20 +572,20 @@ class H2Session:
                 extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
                 await self.answer(st, e.http_status, e.detail, extra, reason=e.reason)
                 return
-            stream, conn, leftover = upstream.stream, h11.Connection(h11.CLIENT), upstream.leftover
+            stream, conn, leftover = upstream.stream, h1.H1Client(), upstream.leftover
         whole = False
         try:
             await self._exchange(st, method, d, stream, leftover, conn, replay=replay)
             # Complete both ways (the request sent whole, the response read whole): keep the link for the
             # next stream if the app keeps it alive, else end it in order.
-            whole = conn.our_state in _H11_ENDED and conn.their_state in _H11_ENDED
+            whole = conn.request_done and conn.response_done
         finally:
             if not whole:
                 stream.abort()
             elif not self._keep(key, stream, conn):
                 await close_cleanly(stream)
 
-    def _take_kept(self, key: tuple[object, ...]) -> tuple[TlsStream, h11.Connection] | None:
+    def _take_kept(self, key: tuple[object, ...]) -> tuple[TlsStream, h1.H1Client] | None:
         """A kept link for ``key`` that is still fit (the app may have closed it while it was idle, on its
         own keep-alive clock), or None; unfit ones are dropped on the way."""
         links = self._kept.get(key)
@@ -596,10 +596,10 @@ class H2Session:
             drop_link(stream, self._close_later)
         return None
 
-    def _keep(self, key: tuple[object, ...], stream: TlsStream, conn: h11.Connection) -> bool:
+    def _keep(self, key: tuple[object, ...], stream: TlsStream, conn: h1.H1Client) -> bool:
         """Keep a link after a whole exchange, for the next stream to the same sandbox port: not when the
         app said close, the session is ending or draining, or enough are kept already."""
-        if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+        if not (conn.request_done and conn.response_done) or conn.must_close:
             return False
         if self._ended.is_set() or self._drain_wanted or self._closing:
             return False
@@ -630,30 +630,30 @@ class H2Session:
         await asyncio.gather(*closes, return_exceptions=True)
 
     async def _exchange(self, st: _Stream, method: bytes, d: Admitted, stream: TlsStream, leftover: bytes,
-                        conn: h11.Connection, *, replay: bool = False) -> None:
+                        conn: h1.H1Client, *, replay: bool = False) -> None:
         if leftover:
             conn.receive_data(leftover)
         started = time.monotonic()
-        await stream.write(conn.send(self._upstream_head(st, method, d)))
+        await stream.write(self._upstream_head(st, method, d, conn))
         if st.ended:
-            # No body: no byte to send, but h11 must know the request is whole (the response may be read
-            # whole before the body task first runs), or the link would count as cut and be aborted.
-            conn.send(h11.EndOfMessage())
+            # No body: no byte to send, but the request is whole (the response may be read whole before the
+            # body task first runs), or the link would count as cut and be aborted.
+            conn.send_eom()
         body_task = asyncio.create_task(self._pump_request_body(st, conn, stream))
         responded = False
         try:
             while True:
                 ev = conn.next_event()
-                if ev is h11.NEED_DATA:
+                if ev is h1.NEED_DATA:
                     if body_task.done() and body_task.exception() is not None:
                         raise body_task.exception()  # type: ignore[misc]
                     conn.receive_data(await stream.read())
                     continue
-                if isinstance(ev, h11.InformationalResponse):
+                if isinstance(ev, h1.InformationalResponse):
                     if ev.status_code == 101:
-                        raise h11.RemoteProtocolError("101 over HTTP/2")
+                        raise h1.H1Error("bad_response", "101 over HTTP/2", http_status=502)
                     continue  # 100 Continue and friends: the HTTP/2 client is not waiting for them
-                if isinstance(ev, h11.Response):
+                if isinstance(ev, h1.Response):
                     status = ev.status_code
                     self.h2.send_headers(st.id, [(b":status", str(status).encode()), *_response_headers(ev.headers)])
                     responded = True
@@ -661,14 +661,14 @@ class H2Session:
                     await self._flush()
                     self.gw.metrics.first_byte.observe(time.monotonic() - started)
                     self.gw.metrics.requests.labels("http2", str(status)).inc()
-                elif isinstance(ev, h11.Data):
+                elif isinstance(ev, h1.Data):
                     await self._send_data(st, bytes(ev.data))
-                elif isinstance(ev, h11.EndOfMessage):
+                elif isinstance(ev, h1.EndOfMessage):
                     await self._send_data(st, b"", end=True)
                     break
-                elif isinstance(ev, h11.ConnectionClosed):
+                elif isinstance(ev, h1.ConnectionClosed):
                     raise ConnectionResetError("the sandbox closed before its response ended")
-        except (OSError, h11.ProtocolError) as e:
+        except (OSError, RemoteProtocolError, LocalProtocolError) as e:
             log.debug("stream %d upstream failed: %r", st.id, e)
             if replay and not responded:
                 raise _KeptLinkFailed() from e
@@ -685,24 +685,24 @@ class H2Session:
         s = self.h2.streams.get(st.id)
         return s is not None and not s.closed  # our side has ended: open means the client's is
 
-    async def _pump_request_body(self, st: _Stream, conn: h11.Connection, stream: TlsStream) -> None:
+    async def _pump_request_body(self, st: _Stream, conn: h1.H1Client, stream: TlsStream) -> None:
         if st.ended:
             return
-        while conn.our_state is h11.SEND_BODY:
+        while conn.sending_body:
             item = await st.body.get()
             if isinstance(item, tuple):
                 data, length = item
                 if data:
-                    await stream.write(conn.send(h11.Data(data=data)))
+                    await stream.write(conn.send_data(data))
                     st.rec.bytes_up += len(data)
                 self._ack(length, st.id)
                 await self._flush()
             elif isinstance(item, list):
                 trailers = _regular_headers(item) if st.chunked else []  # none fit after a Content-Length body
-                await stream.write(conn.send(h11.EndOfMessage(headers=trailers)))
+                await stream.write(conn.send_eom(trailers))
                 return
             else:
-                await stream.write(conn.send(h11.EndOfMessage()))
+                await stream.write(conn.send_eom())
                 return
 
     # -- h2c: HTTP/2 to the app ---------------------------------------------------------------------
