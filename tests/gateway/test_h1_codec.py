@@ -290,6 +290,11 @@ REFUSED_REQUESTS = {
         (400, "upgrade_with_body"),
     b"GET / HTTP/1.1\r\n" + HOST + b"X-Big: " + b"a" * 2000 + b"\r\n\r\n": (431, "header_too_large"),
     b"GET / HTTP/1.1\r\n" + HOST + b"X-Drip: 1\r\n" * 200: (431, "header_too_large"),
+    # a chunked body's lines are bounded as a head is: trailers, and a chunk line that never ends
+    b"POST / HTTP/1.1\r\n" + HOST + b"Transfer-Encoding: chunked\r\n\r\n0\r\n" + b"X-T: 1234567890\r\n" * 100:
+        (431, "header_too_large"),
+    b"POST / HTTP/1.1\r\n" + HOST + b"Transfer-Encoding: chunked\r\n\r\n3;ext=" + b"a" * 2000:
+        (431, "header_too_large"),
 }
 
 
@@ -299,7 +304,9 @@ def test_each_refused_request_is_refused_with_its_status_and_reason_however_cut(
     for pieces in chunkings(raw, [7, 30, 61]):
         s = h1.H1Server(1024)
         refused = None
-        for piece in pieces:
+        # The bounds are judged once per read, on what it brought: a trickle is refused by the read after the
+        # one that crossed a callback (here, more of the same bytes).
+        for piece in [*pieces, raw[-1:] * 2000]:
             s.receive_data(piece)
             try:
                 while s.next_event() is not h1.NEED_DATA:
