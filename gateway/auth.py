@@ -1,6 +1,6 @@
 """Per-route authentication of HTTP requests, and what of a request's head may go upstream.
 
-Pure: a request head (target bytes, header list as h11 and h2 give it: ``[(name, value)]`` of bytes)
+Pure: a request head (target bytes, header list as h1_codec and h2 give it: ``[(name, value)]`` of bytes)
 and the route's auth in, a decision out. No sockets, no clocks.
 
 Where a token may come from (``AuthConfig`` names them):
