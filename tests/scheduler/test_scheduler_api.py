@@ -222,9 +222,13 @@ async def test_webhook_retries_until_delivered_in_order(pki: dict[str, Path], tm
 
 
 async def _idle(app: SchedulerApp, c: Client, sid: str = "sbx-1") -> None:
+    """The sandbox idle by its timer, then a long period (the state stays idle): with 0.2 s it would go
+    idle again 0.2 s after any wake, and on loaded cores a test's next look could come after that."""
     await c.admin("PUT", f"/v1/sandboxes/{sid}", registration(idle_period_s=0.2))
     assert app.service is not None
     await wait_for(lambda: app.state(sid) == "idle", 5.0, "idle")
+    assert (await c.admin("PUT", f"/v1/sandboxes/{sid}", registration(idle_period_s=60)))[0] == 200
+    assert app.state(sid) == "idle"
 
 
 async def test_fifty_wakes_one_driver_start_all_answered_when_ready(pki: dict[str, Path], tmp_path: Path) -> None:
