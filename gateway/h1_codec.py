@@ -324,6 +324,13 @@ class _Reader:
     def _head_size(self, first_line: int) -> int:
         return first_line + 2 + self._size + 2
 
+    def receive(self, data: bytes) -> None:
+        """Bytes from the peer, or b"": its end of stream (h11's ``receive_data``)."""
+        if data:
+            self.feed(data)
+        else:
+            self.feed_eof()
+
     def feed(self, data: bytes) -> None:
         if self._failed:
             return
@@ -567,10 +574,7 @@ class H1Server:
 
     # reading
     def receive_data(self, data: bytes) -> None:
-        if data:
-            self._r.feed(data)
-        else:
-            self._r.feed_eof()
+        self._r.receive(data)
 
     def next_event(self) -> Any:
         """The next event of the current request; NEED_DATA; after its EndOfMessage, NEED_DATA until
@@ -719,10 +723,7 @@ class H1Client:
         return self._w.end((trailers or []) if self._w.kind == "chunked" else [])
 
     def receive_data(self, data: bytes) -> None:
-        if data:
-            self._r.feed(data)
-        else:
-            self._r.feed_eof()
+        self._r.receive(data)
 
     def next_event(self) -> Any:
         if self.response_done or self.switched:
