@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from seed_dir import write_seeds
+
 OUT = Path(__file__).resolve().parent.parent / "seeds" / "control_body"
 ARM = {"uds": "/run/vm/c1.vsock", "exit": "a"}
 FULL_ARM = {**ARM, "policy": {"rules": ["deny tcp any 25", "allow udp 8.8.8.8/32 53"], "default_allow": False},
@@ -77,12 +79,7 @@ SEEDS: dict[str, bytes] = {
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():
-        old.unlink()
-    for name, data in SEEDS.items():
-        (OUT / name).write_bytes(data)
-    print(f"{len(SEEDS)} seeds in {OUT}")
+    write_seeds(OUT, SEEDS)
 
 
 if __name__ == "__main__":

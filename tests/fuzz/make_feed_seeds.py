@@ -23,6 +23,7 @@ from feed_cases import (  # noqa: E402
     body,
     raw_columns,
 )
+from seed_dir import write_seeds  # noqa: E402
 
 OUT = HERE.parent / "seeds" / "feed"
 
@@ -67,12 +68,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():
-        old.unlink()
-    for name, data in seeds().items():
-        (OUT / name).write_bytes(data)
-    print(f"{len(seeds())} seeds in {OUT}")
+    write_seeds(OUT, seeds())
 
 
 if __name__ == "__main__":

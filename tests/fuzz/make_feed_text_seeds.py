@@ -9,6 +9,8 @@ import math
 import struct
 from pathlib import Path
 
+from seed_dir import write_seeds
+
 OUT = Path(__file__).resolve().parent.parent / "seeds" / "feed_text"
 MAX = 2**63 - 1
 
@@ -41,12 +43,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():
-        old.unlink()
-    for name, data in seeds().items():
-        (OUT / name).write_bytes(data)
-    print(f"{len(seeds())} seeds in {OUT}")
+    write_seeds(OUT, seeds())
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import h11
+from seed_dir import write_seeds
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "seeds" / "h1_codec"
@@ -127,12 +128,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():
-        old.unlink()
-    for name, data in seeds().items():
-        (OUT / name).write_bytes(data)
-    print(f"{len(seeds())} seeds in {OUT}")
+    write_seeds(OUT, seeds())
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from hyperframe.frame import (
     SettingsFrame,
     WindowUpdateFrame,
 )
+from seed_dir import write_seeds
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "seeds" / "h2_frames"
@@ -106,12 +107,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():
-        old.unlink()
-    for name, body in seeds().items():
-        (OUT / name).write_bytes(body)
-    print(f"{len(seeds())} seeds in {OUT}")
+    write_seeds(OUT, seeds())
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from names_cases import (  # noqa: E402
     TARGETS,
     TARGETS_REFUSED,
 )
+from seed_dir import write_seeds  # noqa: E402
 
 OUT = HERE.parent / "seeds" / "names"
 HOST, SNI, AUTHORITY, TARGET, H1, H2 = range(6)
@@ -74,13 +75,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():
-        old.unlink()
-    made = seeds()
-    for name, data in made.items():
-        (OUT / name).write_bytes(data)
-    print(f"{len(made)} seeds in {OUT}")
+    write_seeds(OUT, seeds())
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "protocol"))
 
 from preamble_cases import GOLDEN, V4_ADDRS, build, golden_bytes  # noqa: E402
+from seed_dir import write_seeds  # noqa: E402
 from test_preamble import REASON_CASES  # noqa: E402
 
 OUT = HERE.parent / "seeds" / "preamble"
@@ -53,12 +54,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():
-        old.unlink()
-    for name, data in seeds().items():
-        (OUT / name).write_bytes(data)
-    print(f"{len(seeds())} seeds in {OUT}")
+    write_seeds(OUT, seeds())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ sys.path.insert(0, str(HERE.parent.parent))
 
 import dpkt  # noqa: E402
 from core_packets import CLAIM, REMOTE, icmp_echo, icmp_error, tcp, udp  # noqa: E402
+from seed_dir import write_seeds  # noqa: E402
 
 TH = dpkt.tcp
 
@@ -64,13 +65,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    d = HERE.parent / "seeds" / "reply"
-    d.mkdir(parents=True, exist_ok=True)
-    for old in d.iterdir():
-        old.unlink()
-    for name, data in seeds().items():
-        (d / name).write_bytes(data)
-    print(f"{len(seeds())} seeds in {d}")
+    write_seeds(HERE.parent / "seeds" / "reply", seeds())
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from seed_dir import write_seeds
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "seeds" / "routes"
 
@@ -275,13 +277,7 @@ REGRESSIONS: dict[str, bytes] = {
 
 
 def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.iterdir():
-        old.unlink()
-    out = seeds() | REGRESSIONS
-    for name, body in out.items():
-        (OUT / name).write_bytes(body)
-    print(f"{len(out)} seeds in {OUT}")
+    write_seeds(OUT, seeds() | REGRESSIONS)
 
 
 if __name__ == "__main__":
