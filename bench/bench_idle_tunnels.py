@@ -196,7 +196,7 @@ class Clients:
         for p in self.procs:
             assert p.stdout is not None
             p.stdout.readline()
-            p.wait(60)
+            p.wait(60 * hop.SLOW)
 
     def kill(self) -> None:
         for p in self.procs:
@@ -343,7 +343,7 @@ def measure(arm: Arm, hold: Hold, sink: hop.Sink | None, certs: Path, args: argp
     warm = Clients(arm.port, arm.mode, hold.port, certs, WARM)
     warm.wait_open()
     warm.close()
-    hold.wait_open(0, 30)
+    hold.wait_open(0, 30 * hop.SLOW)
     time.sleep(2)
     base = rss(arm.roots)
     r: dict[str, Any] = {"arm": arm.name, "base": base}
@@ -354,7 +354,7 @@ def measure(arm: Arm, hold: Hold, sink: hop.Sink | None, certs: Path, args: argp
     try:
         clients.wait_open()
         r["open_s"] = time.monotonic() - t0
-        hold.wait_open(n, 60)
+        hold.wait_open(n, 60 * hop.SLOW)
         time.sleep(2)
         r["held"] = rss(arm.roots)
         c0, w0 = cpu(arm.roots), time.monotonic()
@@ -367,8 +367,8 @@ def measure(arm: Arm, hold: Hold, sink: hop.Sink | None, certs: Path, args: argp
     except BaseException:
         clients.kill()
         raise
-    hold.wait_open(0, 120)
-    lowest, deadline = rss(arm.roots), time.monotonic() + 15
+    hold.wait_open(0, 120 * hop.SLOW)
+    lowest, deadline = rss(arm.roots), time.monotonic() + 15 * min(hop.SLOW, 4)
     while time.monotonic() < deadline:
         time.sleep(0.5)
         lowest = min(lowest, rss(arm.roots))
