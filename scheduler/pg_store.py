@@ -63,12 +63,15 @@ with any open count).
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg import pq
+from psycopg.adapt import Dumper
 
 from sbxnet.errors import LocalProtocolError
 from sbxnet.protocol.feed import Batch, epoch_start_ns
@@ -193,6 +196,63 @@ def _save_meters(n: int) -> str:
 
 _SAVE_METERS = _save_meters(len(METER_COLUMNS))
 _SAVE_TRAFFIC = _save_meters(len(METER_COLUMNS) - len(COUNT_COLUMNS))  # the open counts left as they are
+# The same with the IDs as one array literal (``_id_array``): a batch's usual write.
+_SAVE_TRAFFIC_TEXT = _save_meters(len(METER_COLUMNS) - len(COUNT_COLUMNS)).replace("%b::text[]", "%s::text[]", 1)
+_LOCK_VERSIONS_TEXT = _LOCK_VERSIONS.replace("%b", "%s::text[]")
+
+
+# psycopg dumps a list to an array element by element in Python (a batch's four 1,000-element arrays were
+# about 1.6 ms, a quarter of the store thread's time per batch on PostgreSQL). The usual write's arrays
+# are made here instead: the IDs as one array literal (str.join), the numbers in PostgreSQL's binary
+# array format (struct, then sliced into place), each in tens of microseconds.
+def _id_array(ids: list[str]) -> str | None:
+    """The array literal of ``ids``, every element quoted (so none reads as NULL or splits), or None when
+    one holds a character a quoted element would have to escape (then pass the list itself)."""
+    text = '{"' + '","'.join(ids) + '"}' if ids else "{}"
+    return None if "\\" in text or text.count('"') != 2 * len(ids) else text
+
+
+class _Float8Array(bytes):
+    """A float8[] in the binary format (``_number_array``)."""
+
+
+class _Int8Array(bytes):
+    """An int8[] in the binary format (``_number_array``)."""
+
+
+class _Float8ArrayDumper(Dumper):
+    format = pq.Format.BINARY
+    oid = 1022  # float8[]
+
+    def dump(self, obj: Any) -> bytes:
+        return bytes(obj)
+
+
+class _Int8ArrayDumper(_Float8ArrayDumper):
+    oid = 1016  # int8[]
+
+
+_ARRAY_HEAD = struct.Struct(">iiiii")  # dimensions, has nulls, element type, length, lower bound
+
+
+def _number_array(values: list[Any], floats: bool) -> bytes | None:
+    """float8 (``floats``) or int8 values as that binary array; None when one is None or does not fit
+    (then pass the list itself: psycopg writes the NULLs, or refuses the value as before)."""
+    n = len(values)
+    if not n or None in values:
+        return None
+    try:
+        data = struct.pack(f">{n}{'d' if floats else 'q'}", *values)
+    except struct.error:
+        return None
+    out = bytearray(20 + 12 * n)
+    _ARRAY_HEAD.pack_into(out, 0, 1, 0, 701 if floats else 20, n, 1)
+    out[23::12] = b"\x08" * n  # each element's length, 8 (the other three bytes of it stay 0)
+    for k in range(8):
+        out[24 + k :: 12] = data[k::8]
+    return (_Float8Array if floats else _Int8Array)(out)
+
+
 # A transaction's events in one statement, their ids taken in the order given (ORDER BY the ordinality:
 # an identity's values are drawn as the rows are inserted).
 _EVENT_FIELDS = "sandbox, incarnation, from_state, to_state, at, why, webhook"
@@ -265,7 +325,10 @@ class PgTx:
         ids = list(dict.fromkeys(sandboxes))
         if not ids:
             return {}
-        return {str(sid): int(v) for sid, v in self.execute(_LOCK_VERSIONS, (ids,)).fetchall()}
+        text = _id_array(ids)
+        if text is None:
+            return {str(sid): int(v) for sid, v in self.execute(_LOCK_VERSIONS, (ids,)).fetchall()}
+        return dict(self.execute(_LOCK_VERSIONS_TEXT, (text,)).fetchall())  # text and bigint: str and int
 
     def written_version(self) -> int:
         if self._version is None:
@@ -304,15 +367,20 @@ class PgTx:
         if not updates:
             return
         version = self.written_version()
-        columns: list[object] = [version, list(updates)]
         states = updates.values()
         if counts:
+            columns: list[object] = [version, list(updates)]
             columns += [list(c) for c in zip(*(meter_row(st) for st in states), strict=True)]
             self.execute(_SAVE_METERS, columns)
         else:
-            columns += [[st.last_activity for st in states], [st.bytes_in for st in states],
-                        [st.bytes_out for st in states]]
-            self.execute(_SAVE_TRAFFIC, columns)
+            ids, la = list(updates), [st.last_activity for st in states]
+            bi, bo = [st.bytes_in for st in states], [st.bytes_out for st in states]
+            text = _id_array(ids)
+            arrays = [_number_array(la, True), _number_array(bi, False), _number_array(bo, False)]
+            if text is None or None in arrays:
+                self.execute(_SAVE_TRAFFIC, [version, ids, la, bi, bo])
+            else:
+                self.execute(_SAVE_TRAFFIC_TEXT, [version, text, *arrays])
 
     def claim(self, identity: str, batch: Batch, decision: Decision) -> None:
         rec = check_apply(batch, decision)
@@ -387,6 +455,8 @@ class PgStore(OneShotWrites):
             raise StoreError("pg_unavailable", f"cannot connect: {_first_line(e)}") from None
         try:
             conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            conn.adapters.register_dumper(_Float8Array, _Float8ArrayDumper)
+            conn.adapters.register_dumper(_Int8Array, _Int8ArrayDumper)
             conn.execute(f"SET lock_timeout = {int(self.lock_timeout_s * 1000)}")
             conn.execute("SET idle_in_transaction_session_timeout = 60000")
             conn.commit()
