@@ -338,6 +338,15 @@ class Hold:
         self.proc.wait()
 
 
+def slab() -> int:
+    """The whole machine's kernel slab bytes (/proc/meminfo Slab): sockets, pipes, kTLS contexts and the rest
+    of every party's kernel objects; the difference between arms is what the hop adds in the kernel."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Slab:"):
+            return int(line.split()[1]) * KiB
+    return 0
+
+
 def measure(arm: Arm, hold: Hold, sink: hop.Sink | None, certs: Path, args: argparse.Namespace) -> dict[str, Any]:
     n = args.tunnels
     warm = Clients(arm.port, arm.mode, hold.port, certs, WARM)
@@ -345,7 +354,7 @@ def measure(arm: Arm, hold: Hold, sink: hop.Sink | None, certs: Path, args: argp
     warm.close()
     hold.wait_open(0, 30 * hop.SLOW)
     time.sleep(2)
-    base = rss(arm.roots)
+    base, slab0 = rss(arm.roots), slab()
     r: dict[str, Any] = {"arm": arm.name, "base": base}
     if sink is not None and arm.hop is not None:
         r["bulk_alone"] = hop.run_trial(arm.hop, sink, certs, 8, args.bulk, 0, 1 << 20)["gbps"]
@@ -357,6 +366,7 @@ def measure(arm: Arm, hold: Hold, sink: hop.Sink | None, certs: Path, args: argp
         hold.wait_open(n, 60 * hop.SLOW)
         time.sleep(2)
         r["held"] = rss(arm.roots)
+        r["slab_per_tunnel"] = (slab() - slab0) / n
         c0, w0 = cpu(arm.roots), time.monotonic()
         time.sleep(args.idle_seconds)
         r["idle_core_pct"] = 100 * (cpu(arm.roots) - c0) / (time.monotonic() - w0)
@@ -389,8 +399,8 @@ def med_range(xs: list[float], fmt: str) -> str:
 def report(rows: list[dict[str, Any]], names: dict[str, str], n: int, procs: int) -> str:
     lines = [
         f"| arm | RSS per idle tunnel, KiB | baseline, MiB | {n:,} idle, MiB | after close, MiB | "
-        f"CPU with {n:,} idle, % of a core | open, s |",
-        "|---|---|---|---|---|---|---|",
+        f"CPU with {n:,} idle, % of a core | open, s | kernel slab per tunnel, KiB (whole machine) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for a, name in names.items():
         rs = [r for r in rows if r["arm"] == a]
@@ -401,6 +411,7 @@ def report(rows: list[dict[str, Any]], names: dict[str, str], n: int, procs: int
             *(med_range([r[k] / MiB for r in rs], ".1f") for k in ("base", "held", "after")),
             med_range([r["idle_core_pct"] for r in rs], ".2f"),
             med_range([r["open_s"] for r in rs], ".0f"),
+            med_range([r["slab_per_tunnel"] / KiB for r in rs], ".1f"),
         ]
         lines.append(f"| {a}: {name} | " + " | ".join(cols) + " |")
     fw = [r for r in rows if "bulk_alone" in r]
@@ -437,14 +448,19 @@ def runner_main(args: argparse.Namespace) -> int:
 
     probe = ktls_keys.probe()
     info = hop.machine_info()
-    print(f"# {args.tunnels} tunnels, {args.rounds} x (F H H F), {procs} process(es) per arm (RLIMIT_NOFILE {limit}); "
+    arms = args.arms.split(",") if args.arms else ["F", "H", "K"] if probe.ok else ["F", "H"]
+    if "K" in arms and not probe.ok:
+        raise SystemExit(f"arm K: this kernel cannot carry TLS ({probe.cause}: {probe.detail})")
+    order = arms + arms[::-1]  # A B C C B A: each arm measured early and late in the round
+    print(f"# {args.tunnels} tunnels, {args.rounds} x ({' '.join(order)}), {procs} process(es) per arm "
+          f"(RLIMIT_NOFILE {limit}); "
           f"load {os.getloadavg()}", file=sys.stderr)
     hold = Hold()
     sink = hop.start_sink(1 << 20)
     rows: list[dict[str, Any]] = []
     try:
         for rnd in range(args.rounds):
-            for a in ("F", "H", "K", "K", "H", "F") if probe.ok else ("F", "H", "H", "F"):
+            for a in order:
                 if a == "H":
                     arm = start_haproxy(work, certs, procs, per_proc, hold.port)
                 elif a == "K":
@@ -452,7 +468,7 @@ def runner_main(args: argparse.Namespace) -> int:
                 else:
                     arm = start_forwarder(work, certs, procs, per_proc)
                 try:
-                    r = measure(arm, hold, sink if a == "F" else None, certs, args)
+                    r = measure(arm, hold, sink if a == "F" and not args.no_bulk else None, certs, args)
                 finally:
                     arm.stop()
                 r["round"] = rnd
@@ -479,6 +495,9 @@ def runner_main(args: argparse.Namespace) -> int:
         "K": f"our forwarder, ktls plane ({k_procs} process(es); its pipes are kernel memory, not in RSS)",
     }
     print(report(rows, names, args.tunnels, procs))
+    if os.environ.get("SBXNET_IN_VM"):
+        print("Inside the emulated kernel (bench/in_vm.sh): the CPU and open columns are emulated, functional only; "
+              "RSS and slab are memory and hold.")
     if not probe.ok:
         print(f"ktls plane: not measured: this kernel cannot carry TLS ({probe.cause}: {probe.detail}; "
               f"Linux {platform.release()}).")
@@ -504,6 +523,9 @@ def main() -> int:
     p.add_argument("--bulk", type=hop.parse_size, default=hop.parse_size("256MiB"),
                    help="bytes of the 8-tunnel bulk trial through F, split over the 8 (default 256MiB)")
     p.add_argument("--procs", type=int, default=1, help="at least this many processes per arm (default 1)")
+    p.add_argument("--arms", type=lambda v: ",".join(a for a in v.split(",") if a in ("F", "H", "K")) or None,
+                   help="which arms, comma-separated, of F, H and K (default F,H and K where the kernel has TLS)")
+    p.add_argument("--no-bulk", action="store_true", help="skip the 8-tunnel bulk trials through F")
     p.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, certs)")
     return runner_main(p.parse_args())
 
