@@ -1,6 +1,11 @@
 """The accept loop every listener here uses (ghostunnel's shape): take a connection slot before accepting,
 so at the limit new peers wait in the kernel's backlog; back off on accept errors (EMFILE, ENFILE,
 ENOBUFS) instead of spinning; one task per connection; drain stops accepting, waits, then cuts the rest.
+
+A connection may outlive its task (:meth:`Acceptor.hold`): a forwarder's userspace tunnel, once its bytes
+move, needs no coroutine waiting for its end, and an idle one would otherwise keep a task and its frames
+for its whole life. Such a connection keeps its slot until :meth:`Acceptor.let_go`; drain waits for it as
+for a task, and cuts it with ``cut()``.
 """
 
 from __future__ import annotations
@@ -11,9 +16,16 @@ import errno
 import logging
 import socket
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 Serve = Callable[[socket.socket, tuple[str, int]], Coroutine[Any, Any, None]]
+
+
+class Held(Protocol):
+    """A connection that outlived its task (:meth:`Acceptor.hold`)."""
+
+    def cut(self) -> None:
+        """End it now (a drain's deadline passed); it calls :meth:`Acceptor.let_go` once it has ended."""
 
 
 class Acceptor:
@@ -23,6 +35,9 @@ class Acceptor:
         self._name = name
         self._slots = asyncio.Semaphore(max_connections)
         self._conns: set[asyncio.Task[None]] = set()
+        self._held: set[Held] = set()  # connections whose task has handed them on (hold), until let_go
+        self._holders: set[asyncio.Task[None]] = set()  # tasks that did, until they end: their slot is held
+        self._quiet: asyncio.Future[None] | None = None  # drain's wait for no task and nothing held
         self._task: asyncio.Task[None] | None = None
         self.listener: socket.socket | None = None
 
@@ -33,7 +48,21 @@ class Acceptor:
 
     @property
     def open_connections(self) -> int:
-        return len(self._conns)
+        return len(self._conns) - len(self._holders) + len(self._held)
+
+    def hold(self, conn: Held) -> None:
+        """Called from a connection's task: ``conn`` lives on after the task ends and keeps the task's
+        slot until :meth:`let_go` (which ``conn`` calls when it ends). Drain waits for it and cuts it."""
+        task = asyncio.current_task()
+        assert task is not None and task in self._conns, "hold() outside a connection's task"
+        self._holders.add(task)
+        self._held.add(conn)
+
+    def let_go(self, conn: Held) -> None:
+        """``conn`` (held) has ended: its slot is free."""
+        self._held.remove(conn)
+        self._slots.release()
+        self._settle()
 
     def start(self, listener: socket.socket) -> None:
         listener.setblocking(False)
@@ -64,14 +93,31 @@ class Acceptor:
     async def drain(self, timeout: float | None) -> int:
         """Let live connections finish up to ``timeout`` (None: however long they take), then cancel the
         rest; how many were cut."""
-        if not self._conns:
+        if not self._conns and not self._held:
             return 0
-        _, pending = await asyncio.wait(set(self._conns), timeout=timeout)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._all_ended()
+        pending = [t for t in self._conns if not t.done()]
+        held = list(self._held)
         for t in pending:
             t.cancel()
+        for conn in held:
+            conn.cut()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        return len(pending)
+        await self._all_ended()  # the cut ones' ends (each stops its own work first)
+        return len(pending) + len(held)
+
+    async def _all_ended(self) -> None:
+        while self._conns or self._held:
+            if self._quiet is None or self._quiet.done():
+                self._quiet = asyncio.get_running_loop().create_future()
+            await self._quiet
+
+    def _settle(self) -> None:
+        if not self._conns and not self._held and self._quiet is not None and not self._quiet.done():
+            self._quiet.set_result(None)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -99,7 +145,11 @@ class Acceptor:
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._conns.discard(task)
-        self._slots.release()
+        if task in self._holders:
+            self._holders.discard(task)  # its connection keeps the slot until let_go
+        else:
+            self._slots.release()
+        self._settle()
 
 
 async def _accept(loop: asyncio.AbstractEventLoop, listener: socket.socket) -> tuple[socket.socket, Any]:
