@@ -7,6 +7,11 @@ them), the whole preamble within ``preamble_timeout`` of that byte and ``preambl
 status; then the data plane. Nothing reaches a sandbox before the peer is authenticated and the
 preamble is whole and allowed.
 
+A plane that can start a tunnel and tell of its end later (``start``: the userspace plane) gets it that
+way: ``run`` returns a :class:`LiveTunnel` at the handoff and the connection's task ends, so an idle
+tunnel keeps no coroutine chain waiting; its end is metered, logged (``closed``, when it ends) and passed
+to the server's ``on_end`` from the plane's callback. The ktls plane's ``run`` is awaited as before.
+
 Each step either returns what the next one needs or raises ``Refusal``, which carries everything the
 one handler (``ConnectionSequence._refuse``) does with it: the outcome counted in
 ``sbxnet_forwarder_connections``, the reason counted in the step's own counter and logged, and how the
@@ -21,10 +26,11 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
-from forwarder.ingress.metering import Meter
+from forwarder.ingress.metering import ConnMeter, Meter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import DataPlane, Handoff, Outcome, abort
 from forwarder.ingress.san_acl import SanAllowlist, peer_sans
@@ -66,19 +72,65 @@ class Connected:
     attempt_started: float  # time.monotonic() when the attempt that connected began
 
 
-class ConnectionSequence:
-    """The per-connection steps; one instance per server, ``run`` once per accepted socket."""
+class Running(Protocol):
+    def cut(self) -> None:
+        """End the tunnel now, as a drain does (its end is still told)."""
 
-    def __init__(self, settings: ForwarderSettings, metrics: ForwarderMetrics, plane: DataPlane, meter: Meter) -> None:
+
+class StartingPlane(Protocol):
+    """A data plane that starts a tunnel and returns (the userspace plane): ``owner.tunnel_ended`` is
+    called once, when the tunnel has ended."""
+
+    def start(self, handoff: Handoff, owner: LiveTunnel) -> Running: ...
+
+
+class LiveTunnel:
+    """A tunnel past its handoff that no task waits for: what its end needs (the log context, the meter,
+    when it started) until the plane calls :meth:`tunnel_ended`. Slotted: an idle tunnel holds it."""
+
+    __slots__ = ("ctx", "meter", "running", "sequence", "started")
+
+    def __init__(self, sequence: ConnectionSequence, ctx: dict[str, str], meter: ConnMeter, started: float) -> None:
+        self.sequence = sequence
+        self.ctx = ctx
+        self.meter = meter
+        self.started = started
+        self.running: Running | None = None
+
+    def cut(self) -> None:
+        if self.running is not None:
+            self.running.cut()
+
+    def tunnel_ended(self, outcome: Outcome) -> None:
+        # The plane's tunnel refers to this object as its owner: without this cycle's break, the ended
+        # tunnel (its SSL object, OpenSSL's 20 KiB, the sockets' objects) would wait for a collection.
+        self.running = None
+        self.sequence._tunnel_ended(self, outcome)
+
+
+class ConnectionSequence:
+    """The per-connection steps; one instance per server, ``run`` once per accepted socket.
+
+    ``on_end`` hears of the end of each tunnel ``run`` returned as a :class:`LiveTunnel` (the outcome to
+    count), after it is metered and logged."""
+
+    def __init__(
+        self, settings: ForwarderSettings, metrics: ForwarderMetrics, plane: DataPlane, meter: Meter,
+        on_end: Callable[[LiveTunnel, Outcome], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.plane = plane
         self.meter = meter
+        self.on_end = on_end
         self.acl = SanAllowlist(tuple(settings.client_san_allow))
 
     async def run(
         self, sock: socket.socket, ctx: dict[str, str], tls: ssl.SSLContext, policy: TargetPolicy
-    ) -> Outcome:
+    ) -> Outcome | LiveTunnel:
+        """The connection's steps. An outcome once it has ended; a :class:`LiveTunnel` when its tunnel
+        goes on without this coroutine (a plane with ``start``, and ``on_end`` given), whose end comes to
+        ``on_end``."""
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.plane.on_accept(sock)  # the ktls plane attaches the TLS ULP while the socket is ESTABLISHED
@@ -234,7 +286,9 @@ class ConnectionSequence:
             )
         return Connected(result.sock, result.attempts, result.elapsed, result.attempt_started)
 
-    async def _hand_over(self, link: TlsLink, upstream: Connected, opened: Opened, ctx: dict[str, str]) -> Outcome:
+    async def _hand_over(
+        self, link: TlsLink, upstream: Connected, opened: Opened, ctx: dict[str, str]
+    ) -> Outcome | LiveTunnel:
         s = self.settings
         meter = self.meter.open(opened.preamble.sandbox_id, ctx["conn_id"], time.monotonic())
         started = time.monotonic()
@@ -251,18 +305,40 @@ class ConnectionSequence:
                 },
             },
         )
+        handoff = Handoff(link=link, upstream=upstream.sock, leftover=opened.leftover, meter=meter,
+                          close_timeout=s.close_timeout)
+        start = getattr(self.plane, "start", None) if self.on_end is not None else None
+        if start is not None:
+            live = LiveTunnel(self, ctx, meter, started)
+            try:
+                live.running = cast(StartingPlane, self.plane).start(handoff, live)
+            except BaseException:
+                self.meter.close(meter)
+                raise
+            return live
         try:
-            outcome = await self.plane.run(
-                Handoff(
-                    link=link,
-                    upstream=upstream.sock,
-                    leftover=opened.leftover,
-                    meter=meter,
-                    close_timeout=s.close_timeout,
-                )
-            )
+            outcome = await self.plane.run(handoff)
         finally:
             self.meter.close(meter)
+        self._log_closed(ctx, outcome, meter, started)
+        return outcome
+
+    def _tunnel_ended(self, live: LiveTunnel, outcome: Outcome) -> None:
+        """A started tunnel's end, from its plane: metered and logged as an awaited one's is (a drained
+        one unlogged, as a cancelled ``run``'s end is), then counted by ``on_end``."""
+        try:
+            self.meter.close(live.meter)
+            if outcome is not Outcome.DRAINED:
+                self._log_closed(live.ctx, outcome, live.meter, live.started)
+        except Exception:
+            log.exception("internal error", extra={**live.ctx, "event": "internal"})
+            outcome = Outcome.INTERNAL
+        finally:
+            assert self.on_end is not None
+            self.on_end(live, outcome)
+
+    @staticmethod
+    def _log_closed(ctx: dict[str, str], outcome: Outcome, meter: ConnMeter, started: float) -> None:
         log.info(
             "closed",
             extra={
@@ -276,7 +352,6 @@ class ConnectionSequence:
                 },
             },
         )
-        return outcome
 
     # -- the one place a refusal is handled ----------------------------------------------------------
 

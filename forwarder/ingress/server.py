@@ -1,7 +1,9 @@
 """The forwarder's listener: accept loop, drain, certificate reload, metrics flush.
 
 Per connection it takes a slot, accepts, and runs the steps in ``sequence.py`` (handshake, allowlist,
-preamble, target guard, connect, status, data plane), counting the outcome they end with.
+preamble, target guard, connect, status, data plane), counting the outcome they end with. A userspace
+tunnel outlives its connection's task (the acceptor holds its slot, ``sbxnet/accept.py``): its outcome is
+counted when the plane tells of its end (:meth:`ForwarderServer._tunnel_ended`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from forwarder.ingress.metering import ConnMeter, Meter
 from forwarder.ingress.metrics import ForwarderMetrics
 from forwarder.ingress.planes.interface import DataPlane, Outcome, abort
 from forwarder.ingress.planes.memory import trim_heap
-from forwarder.ingress.sequence import ConnectionSequence
+from forwarder.ingress.sequence import ConnectionSequence, LiveTunnel
 from forwarder.ingress.settings import ForwarderSettings
 from forwarder.ingress.target_guard import TargetPolicy
 from forwarder.ingress.tls_context import server_context
@@ -79,7 +81,7 @@ class ForwarderServer:
         self.tls = Reloadable(lambda: server_context(settings))
         self.policy = self._policy(frozenset())
         self.meter = Meter()
-        self.sequence = ConnectionSequence(settings, self.metrics, self.plane, self.meter)
+        self.sequence = ConnectionSequence(settings, self.metrics, self.plane, self.meter, on_end=self._tunnel_ended)
         self._reuse_port = reuse_port
         self._acceptor = Acceptor(self._serve, max_connections=settings.max_connections, log=log)
         self._flush_task: asyncio.Task[None] | None = None
@@ -293,8 +295,15 @@ class ForwarderServer:
         peer = f"{addr[0]}:{addr[1]}"
         ctx = {"conn_id": conn_id, "peer": peer}
         self.metrics.open_connections.inc()
+        live = False
         try:
             outcome = await self.sequence.run(sock, ctx, self.tls.current, self.policy)
+            if isinstance(outcome, LiveTunnel):
+                # Its bytes move without this task, which ends here; so does its frames' hold on the
+                # preamble's objects. The tunnel keeps the slot until its end (_tunnel_ended).
+                self._acceptor.hold(outcome)
+                live = True
+                return
             self.metrics.connections.labels(outcome.value).inc()
         except asyncio.CancelledError:
             self.metrics.connections.labels(Outcome.DRAINED.value).inc()
@@ -305,5 +314,13 @@ class ForwarderServer:
             log.exception("internal error", extra={**ctx, "event": "internal"})
             abort(sock)
         finally:
-            self.metrics.open_connections.dec()
-            self._ended += 1
+            if not live:
+                self.metrics.open_connections.dec()
+                self._ended += 1
+
+    def _tunnel_ended(self, tunnel: LiveTunnel, outcome: Outcome) -> None:
+        """A tunnel :meth:`_serve` handed on has ended (metered and logged already): counted, its slot freed."""
+        self.metrics.connections.labels(outcome.value).inc()
+        self.metrics.open_connections.dec()
+        self._ended += 1
+        self._acceptor.let_go(tunnel)

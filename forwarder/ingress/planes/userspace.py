@@ -4,7 +4,9 @@ It is the benchmark's middle stage and the path for kernels without TLS, chosen 
 direction is a task while its bytes move; once its socket has had nothing to read for ``PARK_AFTER_S``
 it parks (``_Tunnel``): the task ends, the socket waits in the loop's one epoll set for parked sockets
 (``userspace_parking.py``), and a fresh task starts when bytes come, so an idle tunnel holds no task,
-coroutine, future or loop reader of its own, only the task of the connection that waits for its end.
+coroutine, future or loop reader of its own. Nothing waits for its end either: ``UserspacePlane.start``
+returns at once and the tunnel tells its owner how it ended when it does (the server counts and logs it
+then), so the connection's own task ends at the handoff.
 Sockets are tried before they are waited on (a loop round trip per read costs more than the read),
 reads land in a buffer borrowed for the burst and are copied onward before any await, and a send that
 the peer cannot take yet is waited on before the next read: that is the back-pressure.
@@ -24,7 +26,7 @@ import contextlib
 import socket
 import ssl
 import time
-from typing import Any, cast
+from typing import Protocol, cast
 
 from forwarder.ingress.metering import ConnMeter
 from forwarder.ingress.metrics import ForwarderMetrics
@@ -96,22 +98,6 @@ async def _send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: 
         data = data[n:]
 
 
-async def _finish(*tasks: asyncio.Task[Any]) -> None:
-    """Cancel ``tasks`` and wait for their ends, each exception retrieved (the outcome is judged before).
-
-    ``asyncio.wait``, not ``gather``: a task woken by a gathering future (a ``Future`` subclass) looks up
-    its ``result`` under a name made afresh each time, and CPython's method cache keeps such names (the
-    last in each of its 4,096 slots). After 2,000 tunnels ended that way, hundreds of these 64-byte
-    strings were left all over the heap the tunnels had filled, each keeping a 1 MiB arena of Python's
-    allocator from going back to the kernel (measured: 9 MiB freed once the cache was cleared)."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.wait(tasks)
-    for task in tasks:
-        if not task.cancelled():
-            task.exception()
-
-
 class _Drained:
     """Set while the incoming BIO holds no complete record; ``waiting`` once close_notify waits on it.
 
@@ -161,20 +147,31 @@ class _TlsFailure(Exception):
 _RUNNING = object()  # a direction's result while it has not ended
 
 
+class TunnelOwner(Protocol):
+    """Whom a tunnel started with :meth:`UserspacePlane.start` tells of its end."""
+
+    def tunnel_ended(self, outcome: Outcome) -> None:
+        """The tunnel has ended (both sockets closed, or reset): ``outcome`` says how. Called once."""
+
+
 class _Tunnel:
-    """The two directions of one tunnel. A direction runs as a task while bytes move; when its socket has
-    nothing to read the task returns False and the direction parks: its socket waits in the loop's
-    parking lot (``userspace_parking.py``), which calls :meth:`readable` once it is, and a new task
-    starts. A direction that ends (True: its orderly end done; or an exception) is recorded
-    (``up_result``, ``down_result``) and wakes the future of :meth:`next_end`. One object with a slot
+    """One tunnel, from the handoff to its end, with no task or coroutine waiting for that end. A direction
+    runs as a task while bytes move; when its socket has nothing to read the task returns False and the
+    direction parks: its socket waits in the loop's parking lot (``userspace_parking.py``), which calls
+    :meth:`readable` once it is, and a new task starts. A direction that ends (True: its orderly end done;
+    or an exception) is recorded (``up_result``, ``down_result``) and the tunnel judged (:meth:`_judge`,
+    a loop step later, as a task woken by that end would): an exception ends it at once, one orderly end
+    gives the other direction ``close_timeout``, two end it ``closed``. Ending stops both directions,
+    waits for their tasks, closes (or resets) both sockets, then tells the owner. One object with a slot
     per field, not lists: this is what an idle tunnel holds."""
 
-    __slots__ = ("_h", "_loop", "_plane", "_stopped", "_wake", "down_parked", "down_result", "down_task",
-                 "drained", "up_parked", "up_result", "up_task")
+    __slots__ = ("_closed", "_h", "_judging", "_loop", "_outcome", "_owner", "_plane", "_stopped", "_timer",
+                 "down_parked", "down_result", "down_task", "drained", "up_parked", "up_result", "up_task")
 
-    def __init__(self, plane: UserspacePlane, h: Handoff) -> None:
+    def __init__(self, plane: UserspacePlane, h: Handoff, owner: TunnelOwner) -> None:
         self._plane = plane
         self._h = h
+        self._owner = owner
         self._loop = asyncio.get_running_loop()
         self.drained = _Drained()
         self.up_task: asyncio.Task[bool] | None = None
@@ -182,8 +179,11 @@ class _Tunnel:
         self.up_parked = self.down_parked = False
         self.up_result: object = _RUNNING  # None: ended in order; else the exception
         self.down_result: object = _RUNNING
-        self._wake: asyncio.Future[None] | None = None
+        self._judging = False  # a judgement is scheduled
+        self._timer: asyncio.TimerHandle | None = None  # close_timeout, once one direction ended in order
+        self._outcome: Outcome | None = None  # set once the tunnel is ending
         self._stopped = False
+        self._closed = False
 
     def start(self) -> None:
         self._start_up()
@@ -208,7 +208,9 @@ class _Tunnel:
             release_bio_buffers(link.ssl, (link.incoming,), BIO_KEEP)
         elif exc is not True:
             self.up_result = exc
-            self._wake_up()
+            self._judge_soon()
+        else:
+            self._close_once_stopped()
 
     def _down_done(self, task: asyncio.Task[bool]) -> None:
         if self.down_task is task:
@@ -221,7 +223,9 @@ class _Tunnel:
             release_bio_buffers(link.ssl, (link.outgoing,), BIO_KEEP)
         elif exc is not True:
             self.down_result = exc
-            self._wake_up()
+            self._judge_soon()
+        else:
+            self._close_once_stopped()
 
     def _ended(self, task: asyncio.Task[bool]) -> BaseException | bool | None:
         """What a direction's task came to: False to park, None (an orderly end) or the exception that
@@ -235,10 +239,6 @@ class _Tunnel:
             return False
         return exc
 
-    def _wake_up(self) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
-
     def readable(self, fd: int) -> None:
         """A parked direction's socket is readable (it has left the lot): start its task again."""
         if fd == self._h.link.sock.fileno() and self.up_parked:
@@ -251,13 +251,39 @@ class _Tunnel:
     def ended(self) -> int:
         return (self.up_result is not _RUNNING) + (self.down_result is not _RUNNING)
 
-    def next_end(self) -> asyncio.Future[None]:
-        """A future done when a direction ends (or at once, if one did meanwhile: the caller re-checks)."""
-        self._wake = fut = self._loop.create_future()
-        return fut
+    def cut(self) -> None:
+        """End it now (a drain's deadline passed): both sides are reset, the outcome is ``drained``."""
+        self._end(Outcome.DRAINED)
 
-    async def stop(self) -> None:
-        """Unpark both directions and cancel the running ones, waiting for their ends."""
+    def _judge_soon(self) -> None:
+        if not self._judging:
+            self._judging = True
+            self._loop.call_soon(self._judge)
+
+    def _judge(self) -> None:
+        self._judging = False
+        if self._outcome is not None or not self.ended():
+            return
+        up, down = self.up_result, self.down_result
+        for exc in (up, down):
+            if exc is not _RUNNING and exc is not None:
+                assert isinstance(exc, BaseException)
+                self._plane._count_truncation(exc, up_ended=up is None)
+                self._end(self._plane._classify(exc))
+                return
+        if self.ended() == 2:
+            self._end(Outcome.CLOSED)
+        elif self._timer is None:  # one direction ended in order; the other may keep going for close_timeout
+            self._timer = self._loop.call_later(self._h.close_timeout, self._end, Outcome.CLOSE_TIMEOUT)
+
+    def _end(self, outcome: Outcome) -> None:
+        """Unpark both directions and cancel the running ones; the sockets are closed once their tasks end."""
+        if self._outcome is not None:
+            return
+        self._outcome = outcome
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._stopped = True
         if self.up_parked:
             self.up_parked = False
@@ -265,9 +291,35 @@ class _Tunnel:
         if self.down_parked:
             self.down_parked = False
             parking_lot(self._loop).leave(self._h.upstream.fileno())
-        tasks = [t for t in (self.up_task, self.down_task) if t is not None]
-        if tasks:
-            await _finish(*tasks)
+        for task in (self.up_task, self.down_task):
+            if task is not None:
+                task.cancel()
+        self._close_once_stopped()
+
+    def _close_once_stopped(self) -> None:
+        if self.up_task is not None or self.down_task is not None:
+            return  # a cancelled task has yet to end: its done callback comes back here
+        outcome = self._outcome
+        if outcome is None or self._closed:
+            return  # not ending (a failed start), or closed already
+        self._closed = True
+        try:
+            self._plane._close(self._h, outcome)
+        finally:
+            self._owner.tunnel_ended(outcome)
+
+
+class _Ended:
+    """The owner :meth:`UserspacePlane.run` starts a tunnel with: its end as a future."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[Outcome]) -> None:
+        self.future = future
+
+    def tunnel_ended(self, outcome: Outcome) -> None:
+        if not self.future.done():
+            self.future.set_result(outcome)
 
 
 class UserspacePlane:
@@ -280,37 +332,35 @@ class UserspacePlane:
     def on_accept(sock: socket.socket) -> None:
         pass  # nothing to prepare: TLS stays in user space
 
-    async def run(self, h: Handoff) -> Outcome:
-        tunnel = _Tunnel(self, h)
-        outcome = Outcome.CLOSED
+    def start(self, h: Handoff, owner: TunnelOwner) -> _Tunnel:
+        """Start moving bytes and return at once: ``owner.tunnel_ended`` hears of the end (nothing waits
+        for it meanwhile, so an idle tunnel holds no task or coroutine). ``cut()`` on the result ends it
+        as a drain does."""
+        tunnel = _Tunnel(self, h, owner)
         try:
             # The handshake's flights are spent: both BIOs are empty (nothing is buffered at the handoff).
             release_bio_buffers(h.link.ssl, (h.link.incoming, h.link.outgoing))
             tunnel.start()
-            while not tunnel.ended():
-                await tunnel.next_end()
-            up, down = tunnel.up_result, tunnel.down_result
-            if tunnel.ended() < 2 and (up is _RUNNING or up is None) and (down is _RUNNING or down is None):
-                # One direction ended in order; the other may keep going for close_timeout.
-                try:
-                    async with asyncio.timeout(h.close_timeout):
-                        while tunnel.ended() < 2:
-                            await tunnel.next_end()
-                except TimeoutError:
-                    outcome = Outcome.CLOSE_TIMEOUT
-            for exc in (tunnel.up_result, tunnel.down_result):
-                if exc is not _RUNNING and exc is not None:
-                    assert isinstance(exc, BaseException)
-                    outcome = self._classify(exc)
-                    self._count_truncation(exc, up_ended=tunnel.up_result is None)
-                    break
-        except asyncio.CancelledError:
-            outcome = Outcome.DRAINED
+        except BaseException:
+            tunnel._stopped = True
+            for task in (tunnel.up_task, tunnel.down_task):
+                if task is not None:
+                    task.cancel()
+            self._close(h, Outcome.INTERNAL)
             raise
-        finally:
-            await tunnel.stop()
-            self._close(h, outcome)
-        return outcome
+        return tunnel
+
+    async def run(self, h: Handoff) -> Outcome:
+        """The tunnel as one coroutine (the ``DataPlane`` shape): :meth:`start`, then its end awaited;
+        cancelled, it is cut and its end waited for before the cancellation goes on."""
+        ended = _Ended(asyncio.get_running_loop().create_future())
+        tunnel = self.start(h, ended)
+        try:
+            return await asyncio.shield(ended.future)
+        except asyncio.CancelledError:
+            tunnel.cut()
+            await ended.future
+            raise
 
     def _count_truncation(self, exc: BaseException, *, up_ended: bool) -> None:
         """A gateway side that broke before its close_notify ended the upload (``up_ended``: the upload
