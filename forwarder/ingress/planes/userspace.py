@@ -318,6 +318,9 @@ class _Tunnel:
         if outcome is None or self._closed:
             return  # not ending (a failed start), or closed already
         self._closed = True
+        # A direction's exception holds its traceback, whose frames hold this tunnel (``h``): let go of
+        # them, or the ended tunnel (its SSL object and OpenSSL's 20 KiB) would wait for a collection.
+        self.up_result = self.down_result = None
         try:
             self._plane._close(self, outcome)
         finally:
