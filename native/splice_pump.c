@@ -78,6 +78,7 @@ struct conn {
     uint32_t evflags;
     int64_t deadline_ms;
     struct dir up, down;
+    uint64_t moved_up, moved_down; /* the counters sp_take_moved last reported, under p->mu */
     struct sp_event ev;
     struct conn *next, *prev;          /* worker's live list */
     struct conn *tnext, *tprev;        /* worker's timer list */
@@ -1121,6 +1122,32 @@ int sp_counters(sp_pump *p, uint64_t id, uint64_t *up, uint64_t *down)
     }
     pthread_mutex_unlock(&p->mu);
     return rc;
+}
+
+int sp_take_moved(sp_pump *p, struct sp_moved *out, int max, uint32_t *cursor)
+{
+    int n = 0;
+    uint32_t s = *cursor;
+    pthread_mutex_lock(&p->mu); /* as in sp_counters: no slot is released or reused meanwhile */
+    for (; s < (uint32_t)p->max_conns && n < max; s++) {
+        struct conn *c = &p->conns[s];
+        int st = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE);
+        if (st != ST_LIVE && st != ST_PENDING && st != ST_PAUSED)
+            continue;
+        uint64_t up = __atomic_load_n(&c->up.bytes, __ATOMIC_RELAXED);
+        uint64_t down = __atomic_load_n(&c->down.bytes, __ATOMIC_RELAXED);
+        if (up == c->moved_up && down == c->moved_down)
+            continue;
+        c->moved_up = up;
+        c->moved_down = down;
+        out[n].id = ((uint64_t)c->gen << 32) | s;
+        out[n].bytes_up = up;
+        out[n].bytes_down = down;
+        n++;
+    }
+    pthread_mutex_unlock(&p->mu);
+    *cursor = s;
+    return n;
 }
 
 int sp_take_events(sp_pump *p, struct sp_event *out, int max)

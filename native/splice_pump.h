@@ -63,6 +63,12 @@ struct sp_event {
 #define SP_EV_SB_EOF 0x4u          /* the sandbox ended its direction */
 #define SP_EV_SENT_CLOSE_NOTIFY 0x8u
 
+struct sp_moved {
+    uint64_t id;
+    uint64_t bytes_up;
+    uint64_t bytes_down;
+};
+
 struct sp_stats {
     uint64_t added;
     uint64_t finished;
@@ -110,6 +116,11 @@ int sp_event_fd(sp_pump *p);
 int64_t sp_add(sp_pump *p, int gw_fd, int sb_fd, uint32_t flags, uint32_t close_timeout_ms);
 /* Exact counters of a live connection: 0, or -ENOENT once it finished (its event carries the totals). */
 int sp_counters(sp_pump *p, uint64_t id, uint64_t *up, uint64_t *down);
+/* The live connections whose counters changed since the last call that reported them (each one's
+ * first report once it has moved a byte), walking the slots from *cursor: up to max written to out,
+ * *cursor left after the last slot looked at (max_conns once the walk is done; start again from 0).
+ * One lock for the walk and a few nanoseconds a slot, so an idle connection costs its meter nothing. */
+int sp_take_moved(sp_pump *p, struct sp_moved *out, int max, uint32_t *cursor);
 /* Copies up to max finished-connection events, oldest first; returns how many. */
 int sp_take_events(sp_pump *p, struct sp_event *out, int max);
 /* Asks the owning thread to end a connection (reset != 0: with a TCP reset both ways). 0 or -ENOENT. */

@@ -204,6 +204,41 @@ def test_back_pressure_holds_then_delivers(pump: SplicePump) -> None:
     w.close()
 
 
+def test_take_moved_reports_each_change_once() -> None:
+    """take_moved names a connection once per change of its counters, with the same totals as counters(),
+    across more connections than one C batch (256) holds; idle ones are never named, finished ones never."""
+    before = open_fds()
+    pump = SplicePump(threads=2, max_conns=600)
+    try:
+        wired = [wire(pump) for _ in range(300)]
+        assert pump.take_moved() == []
+        moving = wired[::2]  # 150 move bytes, 150 stay idle
+        for i, w in enumerate(moving):
+            w.gw_peer.sendall(b"x" * (i + 1))
+        for i, w in enumerate(moving):
+            got = b""
+            while len(got) < i + 1:
+                got += w.sb_peer.recv(1000)
+        moved = {c: (up, down) for c, up, down in pump.take_moved()}
+        assert moved == {w.conn_id: (i + 1, 0) for i, w in enumerate(moving)}
+        assert all(pump.counters(c) == v for c, v in moved.items())
+        assert pump.take_moved() == []  # nothing changed since
+        w = wired[1]
+        w.sb_peer.sendall(b"back")
+        got = b""
+        while len(got) < 4:
+            got += w.gw_peer.recv(10)
+        assert pump.take_moved() == [(w.conn_id, 0, 4)]
+        assert pump.abort(w.conn_id)
+        wait_events(pump, 1)
+        assert pump.take_moved() == []
+        for x in wired:
+            x.close()
+    finally:
+        pump.close()
+    assert open_fds() == before, "descriptors leaked"
+
+
 @pytest.mark.parametrize("reset", [False, True])
 def test_abort(pump: SplicePump, reset: bool) -> None:
     w = wire(pump)
