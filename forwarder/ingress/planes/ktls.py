@@ -170,10 +170,12 @@ class KtlsPlane:
             if pump is None:
                 return
             now = time.monotonic()
-            for conn_id, w in list(self._waiting.items()):
-                c = pump.counters(conn_id)
-                if c is not None and (w.up_base + c[0], w.down_base + c[1]) != (w.meter.up, w.meter.down):
-                    w.meter.up, w.meter.down = w.up_base + c[0], w.down_base + c[1]
+            # Only the tunnels whose counters changed: idle ones cost nothing here (a counters() call
+            # each was 1.6 us, 3% of a core at 10,000 idle tunnels and two refreshes a second).
+            for conn_id, up, down in pump.take_moved():
+                w = self._waiting.get(conn_id)
+                if w is not None and (w.up_base + up, w.down_base + down) != (w.meter.up, w.meter.down):
+                    w.meter.up, w.meter.down = w.up_base + up, w.down_base + down
                     w.meter.last_activity = now
 
     async def close(self) -> None:
