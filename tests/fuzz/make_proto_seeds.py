@@ -20,6 +20,7 @@ sys.path.insert(0, str(HERE.parent.parent))
 sys.path.insert(0, str(HERE))
 
 from fuzz_egress_frames import MODE_CHUNKED, MODE_HELLO, MODE_STREAM, selector  # noqa: E402
+from seed_dir import write_seeds  # noqa: E402
 
 from forwarder.egress.arp import ArpPacket, gratuitous_arp, push_arp  # noqa: E402
 from forwarder.egress.stream import Hello, push_frame, push_hello  # noqa: E402
@@ -180,13 +181,7 @@ def arp_seeds() -> dict[str, bytes]:
 
 def main() -> None:
     for target, seeds in (("egress_frames", frame_seeds()), ("vxlan", vxlan_seeds()), ("arp", arp_seeds())):
-        out = SEEDS / target
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.iterdir():
-            old.unlink()
-        for name, data in seeds.items():
-            (out / name).write_bytes(data)
-        print(f"{out}: {len(seeds)} seeds")
+        write_seeds(SEEDS / target, seeds)
 
 
 if __name__ == "__main__":
