@@ -264,3 +264,19 @@ def test_parse_of_name_like_text_raises_only_the_named_error(text: str) -> None:
         _only_named_errors(f, text)
         _only_named_errors(f, text + "." + DOMAIN)
         _only_named_errors(f, "8080-" + text + "." + DOMAIN + ":443")
+
+
+@given(st.one_of(st.text(alphabet="0123456789.:abcdefABCDEF%[]x", max_size=45), st.ip_addresses().map(str),
+                 st.text(max_size=20)))
+def test_is_ip_is_ipaddress(text: str) -> None:
+    """The quick refusal of text that cannot be an address agrees with ipaddress on every string."""
+    import ipaddress
+
+    from gateway.names import _is_ip
+
+    try:
+        ipaddress.ip_address(text)
+        want = True
+    except ValueError:
+        want = False
+    assert _is_ip(text) is want
