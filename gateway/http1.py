@@ -306,7 +306,7 @@ class H1Session:
                 *(headers or [])]
         if close or self._drained.done():
             hdrs.append((b"connection", b"close"))
-        self.gw.metrics.requests.labels("http", str(status)).inc()
+        self.gw.metrics.count_request("http", status)
         if reason:
             self.gw.metrics.refusals.labels(reason).inc()
         self._rec.status, self._rec.reason = status, reason
@@ -521,7 +521,7 @@ class H1Session:
                     if ev.status_code == 101:
                         self.h.switched()
                         self._rec.status = 101
-                        self.gw.metrics.requests.labels("upgrade", "101").inc()
+                        self.gw.metrics.count_request("upgrade", 101)
                         body_task.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await body_task
@@ -567,7 +567,7 @@ class H1Session:
                 raise _KeptLinkFailed() from e
             await self.answer(502, "the sandbox's app broke the connection", close=True, reason="upstream_broken")
             return False
-        self.gw.metrics.requests.labels("http", str(status)).inc()
+        self.gw.metrics.count_request("http", status)
         if up.conn.must_close:
             self._close_link_later(stream)  # the app said close after a whole response: in order
             self.up = None

@@ -127,6 +127,24 @@ class GatewayMetrics:
                                 multiprocess_mode="livesum")
         self.drain_cut = Counter("sbxnet_gateway_drain_cut", "Connections still open at a drain's timeout, cut, "
                                  "by kind (handshake, http/1.1, h2, upgrade, tcp)", ["kind"], registry=r)
+        # Children of the per-request counters, made on first use (so a series appears when first counted,
+        # as with .labels) and then reused: .labels() validates and builds its key on every call.
+        self._request_children: dict[tuple[str, int], Counter] = {}
+        self._cache_children: dict[str, Counter] = {}
+
+    def count_request(self, kind: str, status: int) -> None:
+        """``requests{kind, status}`` += 1, for an HTTP status (an int, so the children stay bounded)."""
+        child = self._request_children.get((kind, status))
+        if child is None:
+            child = self._request_children[(kind, status)] = self.requests.labels(kind, str(status))
+        child.inc()
+
+    def count_cache(self, result: str) -> None:
+        """``route_cache{result}`` += 1 (hit, negative_hit, miss)."""
+        child = self._cache_children.get(result)
+        if child is None:
+            child = self._cache_children[result] = self.cache.labels(result)
+        child.inc()
 
 
 class GatewayServer:
@@ -334,9 +352,9 @@ class GatewayServer:
         loop = asyncio.get_running_loop()
         hit = self.cache.get(sandbox, loop.time())
         if hit is not None:
-            self.metrics.cache.labels("hit" if hit.route is not None else "negative_hit").inc()
+            self.metrics.count_cache("hit" if hit.route is not None else "negative_hit")
             return hit.route
-        self.metrics.cache.labels("miss").inc()
+        self.metrics.count_cache("miss")
         found = await self.config.routes.lookup(sandbox)
         if found.route is None:
             self.cache.put_unknown(sandbox, found.ttl, loop.time())
