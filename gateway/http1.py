@@ -121,6 +121,8 @@ class RequestLog:
         if self._done:
             return
         self._done = True
+        if not log.isEnabledFor(logging.INFO):
+            return  # the line would be dropped: do not build it (every request pays this)
         fields: dict[str, object] = {"proto": self.proto, "method": self.method or None, "authority": self.authority,
                                      "port": self.port, "status": self.status, "bytes": self.bytes_down,
                                      "bytes_up": self.bytes_up,
