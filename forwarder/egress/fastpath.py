@@ -185,6 +185,11 @@ class OutboundBatch(_Batch):
         return [Send(s.off, s.len, s.seg, s.count) for s in self.sends[0 : self.n_sends]]
 
 
+_RESULT_WORDS = ffi.sizeof("struct eg_in_result") // 4
+assert ffi.sizeof("struct eg_in_result") == 4 * _RESULT_WORDS
+assert ffi.offsetof("struct eg_in_result", "status") == 0  # type: ignore[attr-defined]
+
+
 class InboundBatch(_Batch):
     """VXLAN datagrams from the exit side, made into delivery frames in a buffer owned by this object.
 
@@ -198,6 +203,7 @@ class InboundBatch(_Batch):
         self.out = bytearray(out_capacity)
         self._out = ffi.from_buffer(self.out)
         self.results = ffi.new("struct eg_in_result[]", max_frames)
+        self._status = memoryview(ffi.buffer(self.results)).cast("i")  # status is each result's first word
         self._gro = ffi.new("uint32_t[]", 1)
         self._n_gro = 0
 
@@ -205,6 +211,22 @@ class InboundBatch(_Batch):
         a = sorted(set(addrs))
         self._gro = ffi.new("uint32_t[]", a or [0])
         self._n_gro = len(a)
+
+    def load(self, offs: list[int], lens: list[int]) -> int:
+        """Load datagram offsets and lengths given as lists, in one slice assignment each (no Python step
+        per datagram, unlike ``set_frames``); returns how many (at most ``max_frames``, else ValueError)."""
+        n = len(offs)
+        if n > self.max_frames or len(lens) != n:
+            raise ValueError(f"{n} offsets and {len(lens)} lengths for a batch of {self.max_frames}")
+        self.offs[0:n] = offs
+        self.lens[0:n] = lens
+        self.n = n
+        return n
+
+    def statuses(self, k: int) -> list[int]:
+        """The status of each of the first ``k`` results, read as one strided view (a datagram merged into
+        an earlier frame, most of a TCP download, then costs the caller one list item, not a cdata read)."""
+        return self._status[0 : _RESULT_WORDS * k : _RESULT_WORDS].tolist()
 
     def run(self, inbuf: Buf, n: int | None = None) -> int:
         """Deliver the first ``n`` loaded datagrams (default: all); returns datagrams consumed.

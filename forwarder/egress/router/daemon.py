@@ -7,7 +7,7 @@ state file (``claim_state.py``) on every change made through the control API (``
 calls ``arm_request``, ``disarm``, ``set_enabled``, ``set_exit``, ``export`` and ``import_state``) and
 restored at start. A guest's frames go
 ``GuestStream`` → ``Router.outbound`` (judge, segment) → ``VxlanSocket.send_records`` to the claim's
-exit; datagrams go ``VxlanSocket.recv_batch`` → ``InboundPath.run`` → the guest's stream, ARP answered.
+exit; datagrams go ``VxlanSocket.recv_columns`` → ``InboundPath.run`` → the guest's stream, ARP answered.
 A tick each second closes stalled guests and sends each claim's gratuitous ARP every
 ``garp_interval`` (and once on arm, and for every claim at SIGHUP or the control API's announce, after
 an exit reloads). SIGTERM/SIGINT stop it; the last log line has every counter.
@@ -41,7 +41,7 @@ from forwarder.egress.router.guest_stream import GuestStream
 from forwarder.egress.router.inbound import InboundPath
 from forwarder.egress.router.outbound import ClaimPath
 from forwarder.egress.router.settings import EgressSettings
-from forwarder.egress.router.vxlan_socket import VxlanSocket
+from forwarder.egress.router.vxlan_socket import VxlanSocket, source_host, source_key
 from forwarder.egress.vnet import TUN_F_CSUM, TUN_F_TSO4
 from forwarder.egress.vxlan import push_vxlan
 
@@ -79,7 +79,8 @@ class Router:
         self.by_addr: dict[int, ClaimPath] = {}
         self.streams: dict[str, GuestStream] = {}
         self.servers: dict[str, asyncio.AbstractServer] = {}
-        self.inbound = InboundPath(settings.vni, self.router_mac, {str(e.vtep): e.label for e in self.exits.values()})
+        self.inbound = InboundPath(settings.vni, self.router_mac,
+                                   {source_key(str(e.vtep)): e.label for e in self.exits.values()})
         self.counts: Counter[str] = Counter()
         self.vx: VxlanSocket | None = None
         self._garp_due: dict[str, float] = {}
@@ -321,10 +322,10 @@ class Router:
     def _on_datagrams(self) -> None:
         vx = self.vx
         assert vx is not None
-        got = vx.recv_batch()
-        if not got:
+        offs, lens, srcs = vx.recv_columns()
+        if not offs:
             return
-        deliver, replies = self.inbound.run(vx.rx, got)
+        deliver, replies = self.inbound.run(vx.rx, offs, lens, srcs)
         now = time.monotonic()
         for addr, frames in deliver.items():
             path = self.by_addr[addr]
@@ -337,8 +338,8 @@ class Router:
                 path.drops["guest_backlog"] += len(frames)
             elif kept := path.accept_inbound(frames, now):
                 stream.deliver(kept)
-        for reply, host in replies:
-            vx.sendto(reply, host)
+        for reply, src in replies:
+            vx.sendto(reply, source_host(src))
             self.counts["arp_replies"] += 1
 
     def announce(self, label: str | None = None) -> int:

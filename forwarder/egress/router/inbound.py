@@ -1,7 +1,7 @@
 """Datagrams from the exits, no sockets: VTEP check, the C inbound path, ARP, delivery per claim.
 
 The VXLAN socket adapter receives datagrams into slots of one buffer it owns and hands their
-(offset, length, source) here. Only a configured exit VTEP is accepted (``unknown_vtep``, before any
+offsets, lengths and sources here as three lists. Only a configured exit VTEP is accepted (``unknown_vtep``, before any
 byte is parsed); the rest go through ``InboundBatch`` in one call, which decapsulates, checks the
 framing, and merges TCP segments for guests that offered CSUM+TSO4. A delivery frame is kept only for
 an armed claim whose exit sent it (``unknown_claim``, ``wrong_exit``); ARP frames are answered here
@@ -24,14 +24,15 @@ Buf = bytes | bytearray | memoryview
 
 
 class InboundPath:
-    """``run(buf, datagrams)`` → per claim address, the delivery frames (views of ``out``) in order,
+    """``run(buf, offs, lens, srcs)`` → per claim address, the delivery frames (views of ``out``) in order,
     and the ARP replies to send (datagram payload, VTEP). The views stay valid until the next run."""
 
-    def __init__(self, vni: int, router_mac: bytes, vteps: Mapping[str, str], *, max_frames: int = 64) -> None:
-        # vteps: VTEP address (as the socket reports it) -> exit label
+    def __init__(self, vni: int, router_mac: bytes, vteps: Mapping[int, str], *, max_frames: int = 64) -> None:
+        # vteps: VTEP address (as an integer key, in the form the socket reports a source) -> exit label
         self.vni = vni
         self.router_mac = router_mac
         self.vteps = dict(vteps)
+        self._vtep_keys = frozenset(self.vteps)
         self.batch = InboundBatch(vni, max_frames=max_frames)
         self.max_frames = max_frames
         self.claims: dict[int, str] = {}  # armed claim address -> its exit label
@@ -46,40 +47,42 @@ class InboundPath:
         self.batch.set_gro(gro)
 
     def run(
-        self, buf: Buf, datagrams: Iterable[tuple[int, int, str]]
-    ) -> tuple[dict[int, list[memoryview]], list[tuple[bytes, str]]]:
+        self, buf: Buf, offs: list[int], lens: list[int], srcs: list[int]
+    ) -> tuple[dict[int, list[memoryview]], list[tuple[bytes, int]]]:
+        """One batch of datagrams, given as columns: offsets in ``buf``, lengths and sources (in the form
+        the ``vteps`` keys take). A batch whose sources are all exits (every datagram of a download) is
+        loaded and read back without a Python step per datagram; only a frame made, an ARP or a refusal
+        costs one."""
         batch = self.batch
-        offs, lens, srcs = batch.offs, batch.lens, self._srcs
-        n = 0
-        for off, ln, src in datagrams:
-            if src not in self.vteps:
-                self.drops["unknown_vtep"] += 1
-                continue
-            offs[n], lens[n], srcs[n] = off, ln, src
-            n += 1
+        vteps = self.vteps
+        if not offs:
+            return {}, []
+        if not set(srcs) <= self._vtep_keys:
+            keep = [i for i, src in enumerate(srcs) if src in vteps]
+            self.drops["unknown_vtep"] += len(srcs) - len(keep)
+            offs, lens, srcs = [offs[i] for i in keep], [lens[i] for i in keep], [srcs[i] for i in keep]
         deliver: dict[int, list[memoryview]] = {}
-        replies: list[tuple[bytes, str]] = []
+        replies: list[tuple[bytes, int]] = []
+        n = batch.load(offs, lens)
         if n == 0:
             return deliver, replies
         k = batch.run(buf, n)
         out = memoryview(batch.out)
-        mv = memoryview(buf)
         claims = self.claims
-        for i in range(k):
-            r = batch.results[i]
-            st = r.status
+        for i, st in enumerate(batch.statuses(k)):
+            if st == MERGED:
+                continue
             if st == OK:
+                r = batch.results[i]
                 label = claims.get(r.dst)
                 if label is None:
                     self.drops["unknown_claim"] += 1
-                elif label != self.vteps[srcs[i]]:
+                elif label != vteps[srcs[i]]:
                     self.drops["wrong_exit"] += 1
                 else:
                     deliver.setdefault(r.dst, []).append(out[r.off : r.off + r.len])
-            elif st == MERGED:
-                continue
             elif st == ARP:
-                reply = self._arp(mv[offs[i] + PREFIX_LEN : offs[i] + lens[i]], srcs[i])
+                reply = self._arp(memoryview(buf)[offs[i] + PREFIX_LEN : offs[i] + lens[i]], srcs[i])
                 if reply is not None:
                     replies.append((reply, srcs[i]))
             else:
@@ -88,7 +91,7 @@ class InboundPath:
             self.drops["no_space"] += n - k  # the delivery buffer filled up: rare, and TCP retransmits
         return deliver, replies
 
-    def _arp(self, payload: memoryview, src: str) -> bytes | None:
+    def _arp(self, payload: memoryview, src: int) -> bytes | None:
         try:
             req = pull_arp(payload)
         except InboundRefused as exc:
