@@ -512,4 +512,6 @@ def serve(settings: EgressSettings, claims: list[ClaimRequest], *, check_only: b
     if check_only:
         print(f"egress: settings valid, {len(claims)} claims")
         return 0
-    return asyncio.run(_main(settings, claims))
+    import uvloop  # the forwarder's loop too: its transports read and write in C, not in asyncio's Python
+
+    return uvloop.run(_main(settings, claims))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from forwarder.egress.errors import HelloRefused
 from forwarder.egress.stream import FRAME_LEN_MAX, HELLO_LEN, negotiate, pull_hello, push_hello
@@ -46,9 +46,9 @@ class GuestStream(asyncio.BufferedProtocol):
 
     # -- asyncio
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=WRITE_HIGH)
+        # uvloop's Unix transport has a Transport's methods but is not a subclass of asyncio.Transport
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH)
         self.router.attach(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
