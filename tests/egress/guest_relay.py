@@ -41,6 +41,7 @@ IFF_VNET_HDR = 0x4000
 TUN_F_USO4 = 0x20
 TUN_F_USO6 = 0x40
 HELLO = struct.Struct("!HHIHH")
+RX_SIZE = 1 << 20
 
 
 def open_tun(name: str) -> int:
@@ -104,23 +105,29 @@ def stream_to_tun(fd: int, conn: Conn, reconnect: bool) -> None:
     while True:
         sock = conn.sock
         assert sock is not None
-        buf = bytearray()
+        # One buffer read into and written from in place: a frame is at most 4 + 65545 bytes, so a partial
+        # one moved to the front always leaves room for the rest.
+        buf = bytearray(RX_SIZE)
+        mv = memoryview(buf)
+        end = 0
         while True:
             try:
-                chunk = sock.recv(1 << 20)
+                got = sock.recv_into(mv[end:])
             except OSError:
-                chunk = b""  # reset: the router closed the stream with our frames still unread
-            if not chunk:
+                got = 0  # reset: the router closed the stream with our frames still unread
+            if not got:
                 break
-            buf += chunk
+            end += got
             pos = 0
-            while len(buf) - pos >= 4:
+            while end - pos >= 4:
                 (n,) = struct.unpack_from("!I", buf, pos)
-                if len(buf) - pos - 4 < n:
+                if end - pos - 4 < n:
                     break
-                os.write(fd, buf[pos + 4 : pos + 4 + n])
+                os.write(fd, mv[pos + 4 : pos + 4 + n])
                 pos += 4 + n
-            del buf[:pos]
+            if pos:
+                buf[: end - pos] = bytes(mv[pos:end])  # a copy: the two ranges may overlap
+                end -= pos
         if not reconnect:
             os._exit(0)  # the router closed the stream
         with conn.lock:
