@@ -9,6 +9,10 @@ checked at both ends). Arms up (guest -> internet) and down (internet -> guest),
 - Gbit/s by the client's monotonic clock (the payload; the client hashes and makes the seeded stream in
   Python on the same two cores, so this is a floor of what the daemon alone would carry);
 - the daemon's CPU-seconds (utime + stime of its process, every thread, ``/proc/<pid>/stat``) per GiB;
+- the CPU-seconds per GiB of every other part of the chain on the same cores: the test guest's relay,
+  the server, the client (``RUSAGE_CHILDREN``: it is our child) and what the rest of the machine was
+  busy with meanwhile (``/proc/stat``: kernel threads, softirq work charged to no task, other jobs), and
+  the machine's busy cores, so whether the daemon or the machine was the limit is in every result;
 - from the daemon's own counters (its ``/metrics``, scraped in the host namespace before and after):
   guest frames, VXLAN datagrams and GSO sends per GiB, both directions.
 
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -76,14 +81,34 @@ def _transfer(n: Net, direction: str, size: int, seed: int) -> dict[str, Any]:
     return out
 
 
-def timed(n: Net, pid: int, direction: str, size: int, seed: int) -> dict[str, Any]:
-    c0, cpu0 = _counters(n), _cpu_s(pid)
+def _busy_s() -> float:
+    """CPU-seconds the whole machine has been busy (every CPU; not idle, not waiting for I/O)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)  # the client: ``ip netns exec`` execs it, we wait for it
+    return r.ru_utime + r.ru_stime
+
+
+def timed(n: Net, pids: dict[str, int], direction: str, size: int, seed: int) -> dict[str, Any]:
+    """One transfer: the daemon's counters and CPU, and the CPU of every other part of the chain (the test
+    guest's relay, the client, the server) and of the whole machine, so the daemon's share is in view."""
+    c0, cpu0 = _counters(n), {role: _cpu_s(pid) for role, pid in pids.items()}
+    kids0, busy0, t0 = _children_s(), _busy_s(), time.monotonic()
     out = _transfer(n, direction, size, seed)
-    cpu, c1 = _cpu_s(pid) - cpu0, _counters(n)
+    wall, busy, kids = time.monotonic() - t0, _busy_s() - busy0, _children_s() - kids0
+    cpus = {role: _cpu_s(pid) - cpu0[role] for role, pid in pids.items()}
+    c1 = _counters(n)
     d = {k: c1[k] - c0[k] for k in c1 if c1[k] - c0[k]}
     gib, secs = size / GIB, float(out["s"])
-    return {"direction": direction, "s": secs, "gbit_s": size * 8 / secs / 1e9, "cpu_s": cpu,
-            "cpu_s_per_gib": cpu / gib, "per_gib": {k: v / gib for k, v in sorted(d.items())}, "counters": d}
+    chain = {**cpus, "client": kids}
+    chain["rest_of_machine"] = busy - sum(chain.values())  # kernel threads, softirq not charged to a task, others
+    return {"direction": direction, "s": secs, "gbit_s": size * 8 / secs / 1e9, "cpu_s": cpus["daemon"],
+            "cpu_s_per_gib": cpus["daemon"] / gib, "per_gib": {k: v / gib for k, v in sorted(d.items())}, "counters": d,
+            "chain_cpu_s_per_gib": {k: round(v / gib, 3) for k, v in chain.items()},
+            "machine_busy_cores": round(busy / wall, 3), "cores": os.cpu_count()}
 
 
 def counted(n: Net, pid: int, direction: str, size: int) -> dict[str, Any]:
@@ -156,7 +181,11 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"median": round(statistics.median(v), 3), "min": round(min(v), 3), "max": round(max(v), 3)}
 
     keys = sorted({k for r in runs for k in r["per_gib"]})
+    roles = list(runs[0]["chain_cpu_s_per_gib"])
     return {"runs": len(runs), "gbit_s": mr("gbit_s"), "cpu_s_per_gib": mr("cpu_s_per_gib"),
+            "machine_busy_cores": mr("machine_busy_cores"),
+            "chain_cpu_s_per_gib_median": {k: round(statistics.median(r["chain_cpu_s_per_gib"][k] for r in runs), 3)
+                                           for k in roles},
             "per_gib_median": {k: round(statistics.median(r["per_gib"].get(k, 0) for r in runs)) for k in keys}}
 
 
@@ -184,14 +213,17 @@ def main() -> int:
             assert st == 201 and body["address"] == CLAIM, body
             server = n.ns_python(n.inet, str(ROOT / "tests" / "egress" / "e2e_peer.py"), "server", SERVER)
             _readline(server, "ready")
-            _relay(n, n.tmp / "vm1.vsock")
+            relay = _relay(n, n.tmp / "vm1.vsock")
+            pids = {"daemon": d.pid, "relay": relay.pid, "server": server.pid}
             assert "sbxnet" in Path(f"/proc/{d.pid}/cmdline").read_text()  # ip netns exec execs the daemon
             _transfer(n, "up", 16 << 20, 1)  # warm: ARP learnt, the flows' first packets, the code paths
             runs: list[dict[str, Any]] = []
             for r in range(a.rounds):
                 for i, direction in enumerate(("up", "down", "down", "up")):
-                    run = timed(n, d.pid, direction, size, 100 * r + i)
-                    print(f"round {r} {direction}: {run['gbit_s']:.2f} Gbit/s, {run['cpu_s_per_gib']:.2f} CPU-s/GiB",
+                    run = timed(n, pids, direction, size, 100 * r + i)
+                    print(f"round {r} {direction}: {run['gbit_s']:.2f} Gbit/s, {run['cpu_s_per_gib']:.2f} CPU-s/GiB;"
+                          f" machine busy {run['machine_busy_cores']:.2f} cores; chain CPU-s/GiB "
+                          + " ".join(f"{k} {v:.2f}" for k, v in run["chain_cpu_s_per_gib"].items()),
                           file=sys.stderr, flush=True)
                     runs.append(run)
             result["runs"] = runs
