@@ -47,6 +47,11 @@ def _scratch() -> memoryview:
         return _local.scratch
 
 
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class TlsStream:
     """One TLS connection. ``read`` and ``write`` may run concurrently from two tasks; each of them
     (and ``write_eof``) from one task at a time."""
@@ -73,6 +78,7 @@ class TlsStream:
         self._write_closed = False
         self._closed = False
         self._inflight: set[asyncio.Task[Any]] = set()
+        self._read_waiter: asyncio.Future[None] | None = None  # what ``_readable`` awaits, for ``close``
 
     # -- handshake ------------------------------------------------------------------------------
 
@@ -289,26 +295,30 @@ class TlsStream:
             try:
                 got = self.sock.recv_into(scratch)
             except (BlockingIOError, InterruptedError):
-                await self._wait(self._readable())
+                await self._readable()
                 continue
             if got:
                 self._incoming.write(scratch[:got])
             return got
 
     async def _readable(self) -> None:
+        """Wait until the socket is readable. The future is awaited here, not through ``_wait``'s task (a
+        task per wait cost an event-loop turn and the task's set-up on every read that waited); ``close``
+        ends the wait through ``_read_waiter``. One reader at a time (``read`` and the handshake)."""
+        if self._closed:
+            raise ConnectionAbortedError("the TLS stream is closed")
         fut: asyncio.Future[None] = self._loop.create_future()
-
-        def ready() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
         fd = self.sock.fileno()
-        self._loop.add_reader(fd, ready)
+        self._loop.add_reader(fd, _wake, fut)
+        self._read_waiter = fut
         try:
             await fut
         finally:
+            self._read_waiter = None
             if self.sock.fileno() == fd:
                 self._loop.remove_reader(fd)
+        if self._closed:  # woken by ``close``, or closed after the socket turned readable
+            raise ConnectionAbortedError("the TLS stream is closed")
 
     async def _wait(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Await a socket operation as a task that ``close`` can end: a pending sock_recv or
@@ -351,4 +361,6 @@ class TlsStream:
             self._loop.remove_writer(self.sock)
         for task in self._inflight:
             task.cancel()
+        if self._read_waiter is not None:
+            _wake(self._read_waiter)  # the reader finds the stream closed (no exception left unread if cancelled)
         self.sock.close()
