@@ -226,9 +226,14 @@ class TlsStream:
         """Decrypt every complete record in the incoming BIO onto ``_plain``."""
         if self.eof is not None or self._rx_error is not None:
             return
+        incoming, obj = self._incoming, self.ssl_object
         while True:
+            if not incoming.pending and not obj.pending():
+                # Nothing left to decrypt: SSL_read could only say so by raising SSLWantReadError, which
+                # cost an exception per call (twice per small request on each side of the gateway).
+                return
             try:
-                chunk = self.ssl_object.read(MAX_PLAIN_RECORD)
+                chunk = obj.read(MAX_PLAIN_RECORD)
             except ssl.SSLWantReadError:
                 return
             except ssl.SSLZeroReturnError:
