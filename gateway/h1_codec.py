@@ -590,6 +590,18 @@ class H1Server:
             self.request_done = True
         return ev
 
+    def ready_body(self) -> Data | EndOfMessage | None:
+        """The current request's next ``Data`` or ``EndOfMessage`` if it is parsed already (as
+        ``next_event`` would give it), else None, taking nothing: NEED_DATA, a refusal and the end of the
+        stream are left for ``next_event``."""
+        if self.request_done or not self._r.events:
+            return None
+        ev = self._r.events[0]
+        if type(ev) is not Data and type(ev) is not EndOfMessage:
+            return None
+        taken: Data | EndOfMessage = self.next_event()
+        return taken
+
     @property
     def idle(self) -> bool:
         """No request begun: nothing of one has been taken."""

@@ -503,30 +503,43 @@ class H1Session:
 
     async def _exchange(self, req: h1.Request, fwd: Forward, allow: Allow, host: str, up: _Up) -> bool:
         stream = up.upstream.stream
-        head = self._upstream_head(req, allow, host, up.conn)
+        # The head and as much of the body as came with it (all of a GET, a small POST, its end) go up in
+        # one write: one TLS record and one send, and no task to pump a body that is here already.
+        first = [self._upstream_head(req, allow, host, up.conn)]
+        self._body_here(up, first)
         started = time.monotonic()
-        await stream.write(head)
-        body_task = asyncio.create_task(self._pump_request_body(up))
+        await stream.write(b"".join(first))
+        body_task = None if self.h.request_done else asyncio.create_task(self._pump_request_body(up))
         responded = False
         status = 0
+        # What goes to the client next: what one read of the link gave (a head, body bytes, the end) is
+        # written at once when the codec has no more events from it, not event by event (a small response
+        # was a head and a body: two TLS records and two sends). Bounded by one read.
+        out: list[bytes] = []
         try:
             while True:
                 ev = up.conn.next_event()
                 if ev is h1.NEED_DATA:
+                    if out:
+                        await self.client.write(b"".join(out))
+                        out.clear()
                     data = await stream.read()
                     up.conn.receive_data(data)
                     continue
                 if isinstance(ev, h1.InformationalResponse):
-                    await self.client.write(self.h.send_informational(ev.status_code,
-                                                                      self._response_headers(ev.headers), ev.reason))
+                    out.append(self.h.send_informational(ev.status_code, self._response_headers(ev.headers),
+                                                         ev.reason))
                     responded = True
                     if ev.status_code == 101:
+                        await self.client.write(b"".join(out))
+                        out.clear()
                         self.h.switched()
                         self._rec.status = 101
                         self.gw.metrics.count_request("upgrade", 101)
-                        body_task.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, Exception):
-                            await body_task
+                        if body_task is not None:
+                            body_task.cancel()
+                            with contextlib.suppress(asyncio.CancelledError, Exception):
+                                await body_task
                         await self._switch(up)
                         return False
                     continue
@@ -535,31 +548,37 @@ class H1Session:
                     hdrs = self._response_headers(ev.headers)
                     if self._drained.done():
                         hdrs.append((b"connection", b"close"))  # the app's own Connection went with the hop
-                    await self.client.write(self.h.send_response(status, hdrs, ev.reason,
-                                                                 body_ends_by_close=up.conn.body_ends_by_close))
+                    out.append(self.h.send_response(status, hdrs, ev.reason,
+                                                    body_ends_by_close=up.conn.body_ends_by_close))
                     responded = True
                     self._rec.status = status
                     self.gw.metrics.first_byte.observe(time.monotonic() - started)
                 elif isinstance(ev, h1.Data):
-                    out = self.h.send_data(ev.data)
-                    if out:
-                        await self.client.write(out)
+                    out.append(self.h.send_data(ev.data))
                     self._rec.bytes_down += len(ev.data)
                 elif isinstance(ev, h1.EndOfMessage):
-                    out = self.h.send_eom(ev.headers)
-                    if out:
-                        await self.client.write(out)
+                    out.append(self.h.send_eom(ev.headers))
                     break
                 elif isinstance(ev, h1.ConnectionClosed):
                     raise ConnectionResetError("the sandbox closed before its response ended")
-            await body_task
+            if out:
+                await self.client.write(b"".join(out))
+                out.clear()
+            if body_task is not None:
+                await body_task
         except asyncio.CancelledError:
-            body_task.cancel()  # the session resets both ends
+            if body_task is not None:
+                body_task.cancel()  # the session resets both ends
             raise
         except (OSError, RemoteProtocolError, LocalProtocolError, _ClientGone) as e:
-            body_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await body_task
+            if body_task is not None:
+                body_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await body_task
+            if out and not isinstance(e, _ClientGone):
+                # What the link gave before it broke reaches the client as it did event by event.
+                with contextlib.suppress(OSError):
+                    await self.client.write(b"".join(out))
             stream.abort()
             self.up = None
             if isinstance(e, _ClientGone) or responded:
@@ -592,11 +611,24 @@ class H1Session:
             out.append((n, v))
         return out
 
-    async def _pump_request_body(self, up: _Up) -> None:
-        if self.h.request_done and up.conn.sending_body:
-            # A replayed request (``_KeptLinkFailed``): the client's end of it was taken already.
-            await up.upstream.stream.write(up.conn.send_eom())
+    def _body_here(self, up: _Up, out: list[bytes]) -> None:
+        """Append to ``out`` the request's body and end as far as the client has sent them already, framed
+        for the link (an error, the client's end of stream and what has not come yet are left for
+        ``_pump_request_body``)."""
+        if self.h.request_done:
+            if up.conn.sending_body:
+                # A replayed request (``_KeptLinkFailed``): the client's end of it was taken already.
+                out.append(up.conn.send_eom())
             return
+        while (ev := self.h.ready_body()) is not None:
+            if isinstance(ev, h1.Data):
+                out.append(up.conn.send_data(ev.data))
+                self._rec.bytes_up += len(ev.data)
+            else:
+                out.append(up.conn.send_eom(ev.headers))
+
+    async def _pump_request_body(self, up: _Up) -> None:
+        """The rest of the request's body, as it comes (``_body_here`` sent what came with the head)."""
         while not self.h.request_done:  # a request without a body has its end to take too
             ev = await self._client_event()
             if isinstance(ev, h1.Data):

@@ -509,3 +509,30 @@ def test_request_heads_put_host_first_and_chunked_trailers_go_out() -> None:
     assert head == b"POST /u HTTP/1.1\r\nhost: a.test\r\nx-a: 1\r\ntransfer-encoding: chunked\r\n\r\n"
     assert c.send_data(b"abc") == b"3\r\nabc\r\n"
     assert c.send_eom([(b"x-sum", b"9")]) == b"0\r\nx-sum: 9\r\n\r\n"
+
+
+def test_ready_body_takes_only_a_body_already_parsed_and_leaves_the_rest_for_next_event() -> None:
+    s = h1.H1Server(1024)
+    s.receive_data(b"POST /u HTTP/1.1\r\n" + HOST + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+    assert isinstance(s.next_event(), h1.Request)
+    assert isinstance(d := s.ready_body(), h1.Data) and d.data == b"abc"
+    assert s.ready_body() is None and s.next_event() is h1.NEED_DATA  # nothing more came
+    s.receive_data(b"0\r\nT: 1\r\n\r\nGET /next HTTP/1.1\r\n" + HOST + b"\r\n\r\n")
+    assert isinstance(end := s.ready_body(), h1.EndOfMessage) and end.headers == [(b"t", b"1")]
+    assert s.request_done and s.ready_body() is None  # the pipelined request waits for the next cycle
+    # A refusal is left in place: next_event raises it, as it would have without ready_body.
+    bad = h1.H1Server(1024)
+    bad.receive_data(b"POST /u HTTP/1.1\r\n" + HOST + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
+    assert isinstance(bad.next_event(), h1.Request)
+    assert bad.ready_body() is None
+    with pytest.raises(h1.H1Error):
+        bad.next_event()
+    # So is the end of the stream in the middle of a body.
+    cut = h1.H1Server(1024)
+    cut.receive_data(b"POST /u HTTP/1.1\r\n" + HOST + b"Content-Length: 5\r\n\r\nab")
+    assert isinstance(cut.next_event(), h1.Request)
+    assert isinstance(cut.ready_body(), h1.Data)
+    cut.receive_data(b"")
+    assert cut.ready_body() is None
+    with pytest.raises(h1.H1Error):
+        cut.next_event()
