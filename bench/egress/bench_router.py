@@ -10,9 +10,10 @@ checked at both ends). Arms up (guest -> internet) and down (internet -> guest),
   Python on the same two cores, so this is a floor of what the daemon alone would carry);
 - the daemon's CPU-seconds (utime + stime of its process, every thread, ``/proc/<pid>/stat``) per GiB;
 - the CPU-seconds per GiB of every other part of the chain on the same cores: the test guest's relay,
-  the server, the client (``RUSAGE_CHILDREN``: it is our child) and what the rest of the machine was
-  busy with meanwhile (``/proc/stat``: kernel threads, softirq work charged to no task, other jobs), and
-  the machine's busy cores, so whether the daemon or the machine was the limit is in every result;
+  the server, the client (its own ``process_time`` over the transfer, which excludes working out the
+  expected digest beforehand) and what the rest of the machine was busy with meanwhile (``/proc/stat``
+  read by the client at the transfer's start and end: kernel threads, softirq work charged to no task,
+  other jobs), and the machine's busy cores, so whether the daemon or the machine was the limit is in every result;
 - from the daemon's own counters (its ``/metrics``, scraped in the host namespace before and after):
   guest frames, VXLAN datagrams and GSO sends per GiB, both directions.
 
@@ -30,7 +31,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import statistics
@@ -81,34 +81,25 @@ def _transfer(n: Net, direction: str, size: int, seed: int) -> dict[str, Any]:
     return out
 
 
-def _busy_s() -> float:
-    """CPU-seconds the whole machine has been busy (every CPU; not idle, not waiting for I/O)."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _children_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)  # the client: ``ip netns exec`` execs it, we wait for it
-    return r.ru_utime + r.ru_stime
-
-
 def timed(n: Net, pids: dict[str, int], direction: str, size: int, seed: int) -> dict[str, Any]:
     """One transfer: the daemon's counters and CPU, and the CPU of every other part of the chain (the test
     guest's relay, the client, the server) and of the whole machine, so the daemon's share is in view."""
     c0, cpu0 = _counters(n), {role: _cpu_s(pid) for role, pid in pids.items()}
-    kids0, busy0, t0 = _children_s(), _busy_s(), time.monotonic()
     out = _transfer(n, direction, size, seed)
-    wall, busy, kids = time.monotonic() - t0, _busy_s() - busy0, _children_s() - kids0
     cpus = {role: _cpu_s(pid) - cpu0[role] for role, pid in pids.items()}
     c1 = _counters(n)
     d = {k: c1[k] - c0[k] for k in c1 if c1[k] - c0[k]}
     gib, secs = size / GIB, float(out["s"])
-    chain = {**cpus, "client": kids}
+    # The client's CPU and the machine's busy time are the client's own figures over the transfer (they
+    # leave out its working out of the expected digest); the others' CPU is over the whole call, in which
+    # they had nothing else to do.
+    chain = {**cpus, "client": float(out["cpu_s"])}
+    busy = float(out["machine_busy_s"])
     chain["rest_of_machine"] = busy - sum(chain.values())  # kernel threads, softirq not charged to a task, others
     return {"direction": direction, "s": secs, "gbit_s": size * 8 / secs / 1e9, "cpu_s": cpus["daemon"],
             "cpu_s_per_gib": cpus["daemon"] / gib, "per_gib": {k: v / gib for k, v in sorted(d.items())}, "counters": d,
             "chain_cpu_s_per_gib": {k: round(v / gib, 3) for k, v in chain.items()},
-            "machine_busy_cores": round(busy / wall, 3), "cores": os.cpu_count()}
+            "machine_busy_cores": round(busy / secs, 3), "cores": os.cpu_count()}
 
 
 def counted(n: Net, pid: int, direction: str, size: int) -> dict[str, Any]:

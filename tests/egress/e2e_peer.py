@@ -6,7 +6,9 @@ read N bytes, answer their SHA-256; ``down N SEED``: send N bytes of a seeded st
 The client commands run in the guest namespace and print one JSON line: ``ping ADDR`` (three ICMP
 echoes, raw socket), ``udp ADDR``, ``tcp-up ADDR N`` (also the socket's ``IP_MTU`` at the end),
 ``tcp-down ADDR N SEED`` (also the longest wait between two reads, ``max_gap``, and when it ended,
-``max_gap_end``, by ``time.monotonic()``), ``forge SRC ADDR PORT`` (a UDP datagram with a forged source,
+``max_gap_end``, by ``time.monotonic()``; both TCP commands also give ``s``, the transfer's time, and
+``cpu_s``, the client's CPU over it, and ``machine_busy_s``, the whole machine's; the expected digest
+is worked out before either starts), ``forge SRC ADDR PORT`` (a UDP datagram with a forged source,
 through a raw socket), ``udp-flows ADDR N`` (one datagram from each of N sockets: which were echoed),
 ``whoami ADDR SECONDS`` (a datagram to port 8 every 2 ms for that long: the sources the server
 answered it saw), ``tcp-connect ADDR TIMEOUT`` and ``pmtu-udp ADDR SIZE`` (DF datagrams until the socket's error queue
@@ -19,6 +21,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import select
 import socket
 import struct
@@ -57,6 +60,13 @@ def stream_digest(n: int, seed: int) -> str:
     for chunk in stream_chunks(n, seed):
         h.update(chunk)
     return h.hexdigest()
+
+
+def machine_busy_s() -> float:
+    """CPU-seconds the whole machine has been busy so far (every CPU; not idle, not waiting for I/O)."""
+    with open("/proc/stat") as f:
+        t = [int(x) for x in f.readline().split()[1:8]]
+    return (sum(t) - t[3] - t[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def checksum(data: bytes) -> int:
@@ -150,37 +160,40 @@ def client(argv: list[str]) -> dict[str, object]:
                 pass
         return {"replies": replies}
     if cmd == "tcp-up":
-        n, h = int(argv[2]), hashlib.sha256()
+        n = int(argv[2])
+        want = stream_digest(n, 12)  # what the server must answer, worked out before the clock starts
+        t0, cpu0, busy0 = time.monotonic(), time.process_time(), machine_busy_s()
         with socket.create_connection((addr, 5001), timeout=30) as c:
             c.sendall(f"up {n}\n".encode())
             for chunk in stream_chunks(n, 12):
-                h.update(chunk)
                 c.sendall(chunk)
             answer = c.makefile("rb").readline().strip().decode()
             mtu = c.getsockopt(socket.IPPROTO_IP, IP_MTU)
-        return {"match": answer == h.hexdigest(), "s": time.monotonic() - t0, "mtu": mtu}
+        return {"match": answer == want, "s": time.monotonic() - t0, "mtu": mtu,
+                "cpu_s": time.process_time() - cpu0, "machine_busy_s": machine_busy_s() - busy0}
     if cmd == "tcp-down":
         n, seed = int(argv[2]), int(argv[3])
         want = stream_digest(n, seed)  # before the clock starts: it is no part of the transfer
-        t0 = time.monotonic()
+        t0, cpu0, busy0 = time.monotonic(), time.process_time(), machine_busy_s()
         h, received = hashlib.sha256(), 0
         gap, gap_at, last = 0.0, 0.0, t0  # the longest wait for bytes, and when it ended (monotonic)
         with socket.create_connection((addr, 5001), timeout=30) as c:
             c.sendall(f"down {n} {seed}\n".encode())
             buf = memoryview(bytearray(CHUNK))
             while received < n:
-                got = c.recv_into(buf)
+                k = c.recv_into(buf)
                 now = time.monotonic()
-                if not got:
+                if not k:
                     break
                 if received and now - last > gap:
                     gap, gap_at = now - last, now
                 last = now
-                h.update(buf[:got])
-                received += got
+                h.update(buf[:k])
+                received += k
         took = time.monotonic() - t0
         return {"match": h.hexdigest() == want, "got": received,
-                "s": took, "max_gap": gap, "max_gap_end": gap_at}
+                "s": took, "max_gap": gap, "max_gap_end": gap_at, "cpu_s": time.process_time() - cpu0,
+                "machine_busy_s": machine_busy_s() - busy0}
     if cmd == "udp-flows":
         # one datagram from each of N sockets (N flows), then which of them were echoed within 2 s
         socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(int(argv[2]))]
