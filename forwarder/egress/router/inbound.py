@@ -39,7 +39,6 @@ class InboundPath:
         self.drops: Counter[str] = Counter()
         self.arp_answered = 0
         self._vxlan = push_vxlan(vni)
-        self._srcs: list[str] = [""] * max_frames
 
     def set_claims(self, claims: Mapping[int, str], gro: Iterable[int]) -> None:
         """The armed claims (address -> exit label) and the addresses whose guests take merged TCP."""
