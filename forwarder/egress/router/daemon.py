@@ -41,12 +41,17 @@ from forwarder.egress.router.guest_stream import GuestStream
 from forwarder.egress.router.inbound import InboundPath
 from forwarder.egress.router.outbound import ClaimPath
 from forwarder.egress.router.settings import EgressSettings
-from forwarder.egress.router.vxlan_socket import VxlanSocket, source_host, source_key
+from forwarder.egress.router.vxlan_socket import SLOT, VxlanSocket, source_host, source_key
 from forwarder.egress.vnet import TUN_F_CSUM, TUN_F_TSO4
 from forwarder.egress.vxlan import push_vxlan
 
 if TYPE_CHECKING:
     from sbxnet.ops_http import OpsServer
+
+# Datagrams read from the exits per recvmmsg and judged per call into the C core. 256 rather than 64: a
+# download then costs about a tenth less of the daemon's CPU (fewer calls, and merged frames toward the guest
+# a half longer, so fewer writes to it and fewer ACKs back); the delivery buffer holds 256 jumbo datagrams.
+RX_BATCH = 256
 
 log = logging.getLogger("sbxnet.egress")
 
@@ -80,7 +85,8 @@ class Router:
         self.streams: dict[str, GuestStream] = {}
         self.servers: dict[str, asyncio.AbstractServer] = {}
         self.inbound = InboundPath(settings.vni, self.router_mac,
-                                   {source_key(str(e.vtep)): e.label for e in self.exits.values()})
+                                   {source_key(str(e.vtep)): e.label for e in self.exits.values()},
+                                   max_frames=RX_BATCH, out_capacity=RX_BATCH * SLOT)
         self.counts: Counter[str] = Counter()
         self.vx: VxlanSocket | None = None
         self._garp_due: dict[str, float] = {}
@@ -92,7 +98,7 @@ class Router:
     # ---------------------------------------------------------------- life cycle
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.vx = VxlanSocket(str(self.settings.listen), self.settings.port)
+        self.vx = VxlanSocket(str(self.settings.listen), self.settings.port, slots=RX_BATCH)
         loop.add_reader(self.vx.fileno(), self._on_datagrams)
         for st in self.state.load() if self.state is not None else []:
             try:

@@ -27,13 +27,16 @@ class InboundPath:
     """``run(buf, offs, lens, srcs)`` → per claim address, the delivery frames (views of ``out``) in order,
     and the ARP replies to send (datagram payload, VTEP). The views stay valid until the next run."""
 
-    def __init__(self, vni: int, router_mac: bytes, vteps: Mapping[int, str], *, max_frames: int = 64) -> None:
+    def __init__(
+        self, vni: int, router_mac: bytes, vteps: Mapping[int, str], *, max_frames: int = 64,
+        out_capacity: int = 1 << 20,
+    ) -> None:
         # vteps: VTEP address (as an integer key, in the form the socket reports a source) -> exit label
         self.vni = vni
         self.router_mac = router_mac
         self.vteps = dict(vteps)
         self._vtep_keys = frozenset(self.vteps)
-        self.batch = InboundBatch(vni, max_frames=max_frames)
+        self.batch = InboundBatch(vni, max_frames=max_frames, out_capacity=out_capacity)
         self.max_frames = max_frames
         self.claims: dict[int, str] = {}  # armed claim address -> its exit label
         self.drops: Counter[str] = Counter()
