@@ -79,6 +79,8 @@ class TlsStream:
         self._closed = False
         self._inflight: set[asyncio.Task[Any]] = set()
         self._read_waiter: asyncio.Future[None] | None = None  # what ``_readable`` awaits, for ``close``
+        self._watching = False  # the loop watches the socket for reading (``_readable``)
+        self._idle_wakes = 0  # wakes in a row with no reader waiting
 
     # -- handshake ------------------------------------------------------------------------------
 
@@ -309,21 +311,39 @@ class TlsStream:
     async def _readable(self) -> None:
         """Wait until the socket is readable. The future is awaited here, not through ``_wait``'s task (a
         task per wait cost an event-loop turn and the task's set-up on every read that waited); ``close``
-        ends the wait through ``_read_waiter``. One reader at a time (``read`` and the handshake)."""
+        ends the wait through ``_read_waiter``. One reader at a time (``read`` and the handshake).
+
+        The socket stays watched after a wait (``_on_readable``): a keep-alive exchange waits on each
+        socket once per request, and watching it afresh each time cost a poll handle made and closed and
+        an epoll_ctl or two per wait. It is let go when it turns readable with no reader waiting (so an
+        unread socket never wakes the loop over and over) and at ``close``."""
         if self._closed:
             raise ConnectionAbortedError("the TLS stream is closed")
         fut: asyncio.Future[None] = self._loop.create_future()
-        fd = self.sock.fileno()
-        self._loop.add_reader(fd, _wake, fut)
+        if not self._watching:
+            self._loop.add_reader(self.sock.fileno(), self._on_readable)
+            self._watching = True
         self._read_waiter = fut
+        self._idle_wakes = 0
         try:
             await fut
         finally:
             self._read_waiter = None
-            if self.sock.fileno() == fd:
-                self._loop.remove_reader(fd)
         if self._closed:  # woken by ``close``, or closed after the socket turned readable
             raise ConnectionAbortedError("the TLS stream is closed")
+
+    def _on_readable(self) -> None:
+        waiter = self._read_waiter
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(None)
+            return  # woken already, its reader not yet run: it will read
+        # A wake queued in the same loop turn as its reader's, run after the reader took the bytes, comes
+        # once; a second in a row means bytes wait with nobody reading.
+        self._idle_wakes += 1
+        if self._idle_wakes > 1:
+            self._watching = False
+            self._loop.remove_reader(self.sock.fileno())
 
     async def _wait(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Await a socket operation as a task that ``close`` can end: a pending sock_recv or
@@ -363,6 +383,7 @@ class TlsStream:
         if self.sock.fileno() != -1:
             # Unregister first: the cancelled operations must not unregister a reused fd later.
             self._loop.remove_reader(self.sock)
+            self._watching = False
             self._loop.remove_writer(self.sock)
         for task in self._inflight:
             task.cancel()

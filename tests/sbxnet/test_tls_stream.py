@@ -8,6 +8,7 @@ import hashlib
 import os
 import socket
 import ssl
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -461,5 +462,43 @@ def test_usable_idle_takes_session_tickets_and_sees_every_way_a_stream_goes_bad(
             srv.close()
             cli.close()
             assert not cli.usable_idle()  # a closed stream is never fit
+
+    run(main())
+
+
+def test_a_socket_stays_watched_between_reads_and_is_let_go_while_nobody_reads(
+    run: Loop, ctxs: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """One registration serves read after read; bytes that come while nobody reads do not keep the loop
+    busy (the socket is let go, not polled over and over) and are read whole later."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        srv, cli = await _pair(*ctxs)
+        adds = 0
+        add_reader = loop.add_reader
+
+        def counting(*args: Any) -> None:
+            nonlocal adds
+            adds += 1
+            add_reader(*args)
+
+        loop.add_reader = counting  # type: ignore[method-assign,assignment]
+        try:
+            for i in range(5):
+                reading = asyncio.ensure_future(srv.read())
+                await asyncio.sleep(0.01)  # the read waits on the socket
+                await cli.write(b"%d" % i)
+                assert await reading == b"%d" % i
+            assert adds <= 1  # watched once (from the handshake on, or the first wait) for the five waits
+            await cli.write(b"while nobody reads")
+            cpu = time.process_time()
+            await asyncio.sleep(0.3)
+            assert time.process_time() - cpu < 0.1  # polled over and over, it would be most of the 0.3 s
+            assert await srv.read() == b"while nobody reads"
+        finally:
+            loop.add_reader = add_reader  # type: ignore[method-assign]
+            srv.close()
+            cli.close()
 
     run(main())
