@@ -47,6 +47,10 @@ def _scratch() -> memoryview:
         return _local.scratch
 
 
+class ReadInterrupted(Exception):
+    """A ``read`` waiting for the socket was woken by ``interrupt_read``; it took nothing."""
+
+
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -81,6 +85,7 @@ class TlsStream:
         self._read_waiter: asyncio.Future[None] | None = None  # what ``_readable`` awaits, for ``close``
         self._watching = False  # the loop watches the socket for reading (``_readable``)
         self._idle_wakes = 0  # wakes in a row with no reader waiting
+        self._interrupted = False  # ``interrupt_read`` woke the waiting read
 
     # -- handshake ------------------------------------------------------------------------------
 
@@ -327,10 +332,29 @@ class TlsStream:
         self._idle_wakes = 0
         try:
             await fut
+        except BaseException:  # cancelled: an interrupt that came first is not left for the next read
+            self._interrupted = False
+            raise
         finally:
             self._read_waiter = None
         if self._closed:  # woken by ``close``, or closed after the socket turned readable
             raise ConnectionAbortedError("the TLS stream is closed")
+        if self._interrupted:
+            self._interrupted = False
+            raise ReadInterrupted()
+
+    def interrupt_read(self) -> bool:
+        """Wake the ``read`` that is waiting for the socket: it raises ``ReadInterrupted``, having taken
+        nothing (what comes later is there for the next read). False, doing nothing, when no read is
+        waiting for the socket (none is under way, or it is about to take bytes that came): an owner that
+        waits for the first of its peer's bytes or its own deadline (the gateway's idle keep-alive) ends
+        the wait so, without a task and a timer per wait."""
+        waiter = self._read_waiter
+        if waiter is None or waiter.done():
+            return False
+        self._interrupted = True
+        waiter.set_result(None)
+        return True
 
     def _on_readable(self) -> None:
         waiter = self._read_waiter

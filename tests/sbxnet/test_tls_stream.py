@@ -502,3 +502,37 @@ def test_a_socket_stays_watched_between_reads_and_is_let_go_while_nobody_reads(
             cli.close()
 
     run(main())
+
+
+def test_interrupt_read_wakes_a_waiting_read_which_takes_nothing(
+    run: Loop, ctxs: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    async def main() -> None:
+        from sbxnet.tls_stream import ReadInterrupted
+
+        srv, cli = await _pair(*ctxs)
+        try:
+            assert not srv.interrupt_read()  # no read under way
+            reading = asyncio.ensure_future(srv.read())
+            await asyncio.sleep(0.01)
+            assert srv.interrupt_read()
+            with pytest.raises(ReadInterrupted):
+                await reading
+            await cli.write(b"after")
+            assert await asyncio.wait_for(srv.read(), 5) == b"after"  # nothing lost, nothing left armed
+            # An interrupt whose read is cancelled before it runs is not left for the next read.
+            reading = asyncio.ensure_future(srv.read())
+            await asyncio.sleep(0.01)
+            assert srv.interrupt_read()
+            reading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            later = asyncio.ensure_future(srv.read())
+            await asyncio.sleep(0.01)
+            await cli.write(b"next")
+            assert await asyncio.wait_for(later, 5) == b"next"
+        finally:
+            srv.close()
+            cli.close()
+
+    run(main())
