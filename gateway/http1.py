@@ -56,7 +56,7 @@ from gateway.route_source import RouteLookupFailed
 from gateway.routing import Answer, Forward, decide_http, request_target, requested_port
 from gateway.upstream import Upstream, UpstreamFailed
 from sbxnet.errors import LocalProtocolError, RemoteProtocolError
-from sbxnet.tls_stream import TlsStream
+from sbxnet.tls_stream import ReadInterrupted, TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
 
@@ -245,7 +245,11 @@ class H1Session:
         if gw.draining:
             self._drained.set_result(None)
         self._idle_end = False  # the wait for a next request ended by idle_timeout or a drain, not the client
-        self._pending_read: asyncio.Future[bytes] | None = None  # the read that wait left under way
+        # The wait for a next request: one timer per connection (``_idle_check``), not one per request, and
+        # the read woken by TlsStream.interrupt_read when the deadline passes or the gateway drains.
+        self._idle_waiting = False
+        self._idle_deadline = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._closing: set[asyncio.Task[bool]] = set()  # links being closed in order
 
     def drain(self) -> None:
@@ -253,6 +257,7 @@ class H1Session:
         begun says ``Connection: close``; after the exchange in flight the connection is closed."""
         if not self._drained.done():
             self._drained.set_result(None)
+        self._end_idle_wait()
 
     # -- reading the client ------------------------------------------------------------------------
 
@@ -277,27 +282,58 @@ class H1Session:
             if data is None:
                 return None
             self.h.receive_data(data)
-        async with asyncio.timeout(cfg.header_timeout):
-            ev = await self._client_event()
+        ev = self.h.next_event()
+        if ev is h1.NEED_DATA:  # a head not whole yet (a timer only then: usually the first read had it all)
+            async with asyncio.timeout(cfg.header_timeout):
+                ev = await self._client_event()
         return ev if isinstance(ev, h1.Request) else None
 
     async def _idle_read(self, timeout: float) -> bytes | None:
-        """The first bytes of a next request; None when ``timeout`` passed or the gateway drains first (the
-        read stays under way in ``_pending_read``: the orderly close drops what it brings)."""
-        read = asyncio.ensure_future(self.client.read())
+        """The first bytes of a next request; None when ``timeout`` passed or the gateway drains first (what
+        the client sends after that is dropped by the orderly close). Bytes that came just as the wait
+        ended are a request to serve (with ``Connection: close`` if the gateway drains)."""
+        if self._drained.done():
+            self._idle_end = True
+            return None
+        loop = asyncio.get_running_loop()
+        self._idle_deadline = loop.time() + timeout
+        if self._idle_timer is None:
+            self._idle_timer = loop.call_at(self._idle_deadline, self._idle_check)
+        self._idle_waiting = True
         try:
-            await asyncio.wait((read, self._drained), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            read.cancel()
-            raise
-        if read.done():  # bytes that came with the drain are a request to serve (with Connection: close)
-            try:
-                return read.result()
-            except OSError:
-                raise _ClientGone() from None
-        self._pending_read = read
-        self._idle_end = True
-        return None
+            return await self.client.read()
+        except ReadInterrupted:
+            self._idle_end = True
+            return None
+        except OSError:
+            raise _ClientGone() from None
+        finally:
+            self._idle_waiting = False
+
+    def _idle_check(self) -> None:
+        """The idle timer: it ends a wait past its deadline, and follows a deadline that moved on (a later
+        request's wait); while an exchange is under way it is not kept (the next wait sets it again)."""
+        self._idle_timer = None
+        if not self._idle_waiting:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._idle_deadline:
+            self._idle_timer = loop.call_at(self._idle_deadline, self._idle_check)
+        else:
+            self._end_idle_wait()
+
+    def _end_idle_wait(self) -> None:
+        """End the wait for a next request, if one is under way. A read that cannot be woken just now (it is
+        taking bytes that came, or answering a TLS message) is tried again shortly, unless it returns first."""
+        if not self._idle_waiting or self.client.interrupt_read():
+            return
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = asyncio.get_running_loop().call_later(0.01, self._end_idle_wait_later)
+
+    def _end_idle_wait_later(self) -> None:
+        self._idle_timer = None
+        self._end_idle_wait()
 
     # -- answering ourselves -----------------------------------------------------------------------
 
@@ -365,14 +401,15 @@ class H1Session:
             cut = True
             raise
         finally:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
             up, self.up = self.up, None
             if cut:
                 if up is not None:
                     up.upstream.stream.abort()
                 for task in self._closing:
                     task.cancel()
-                if self._pending_read is not None:
-                    self._pending_read.cancel()
                 self.client.abort()
             else:
                 await self._end(up, orderly)
@@ -387,10 +424,7 @@ class H1Session:
             else:
                 up.upstream.stream.abort()
         if orderly:
-            closes.append(close_cleanly(self.client, reading=self._pending_read))
-        elif self._pending_read is not None:
-            self._pending_read.cancel()
-        self._pending_read = None
+            closes.append(close_cleanly(self.client))
         closes.extend(self._closing)
         if closes:
             await asyncio.gather(*closes, return_exceptions=True)

@@ -9,6 +9,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,16 +43,21 @@ def _app(conn: socket.socket) -> None:
 
 
 @pytest.fixture(scope="module")
-def gw(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayThread]:
+def routes(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     fwd = ForwarderThread(forwarder_settings(pki))
     app = SandboxApp(_app)
-    routes = Path(tmp_path_factory.mktemp("routes")) / "routes.json"
-    routes.write_text(json.dumps({"sandboxes": {
+    path = Path(tmp_path_factory.mktemp("routes")) / "routes.json"
+    path.write_text(json.dumps({"sandboxes": {
         "alpha": registration(pki, fwd.port, {app.port: ("http", "public")}, default=app.port)}}))
+    yield path
+    fwd.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(pki: Pki, routes: Path) -> Iterator[GatewayThread]:
     g = GatewayThread(pki, routes)
     yield g
     g.stop()
-    fwd.stop()
 
 
 class _RecordClient:
@@ -97,9 +103,13 @@ class _RecordClient:
         got = b""
         while len(got) < size:
             try:
-                got += self.obj.read(65536)
+                data = self.obj.read(65536)
             except ssl.SSLWantReadError:
                 self._recv()
+                continue
+            if not data:
+                raise EOFError("close_notify")
+            got += data
         return got
 
     def response(self) -> bytes:
@@ -147,3 +157,25 @@ def test_a_body_that_comes_later_is_not_waited_for(gw: GatewayThread, pki: Pki) 
     finally:
         LATER.set()
         c.close()
+
+
+def test_the_idle_timeout_runs_from_the_last_exchange_whatever_came_before(pki: Pki, routes: Path) -> None:
+    """One idle timer serves the connection's whole life: requests that keep coming inside the timeout keep
+    it open past several timeouts' worth, and once they stop it ends in order one timeout after the last."""
+    idle = 1.0
+    g = GatewayThread(pki, routes, idle_timeout=idle)
+    c = _RecordClient(g.port, pki.ca_file)
+    try:
+        started = last = time.monotonic()
+        while last - started < 3 * idle:
+            time.sleep(idle / 5)
+            c.request("/again")
+            assert c.response() == BODY
+            last = time.monotonic()
+        with pytest.raises(EOFError):  # close_notify: ended in order
+            c.read_until(1)
+        waited = time.monotonic() - last
+        assert idle - 0.1 <= waited < idle + 4
+    finally:
+        c.close()
+        g.stop()
