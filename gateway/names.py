@@ -64,6 +64,7 @@ _V4_CHARS = re.compile(r"[0-9.]*")
 _PORT_LABEL = re.compile(r"([0-9]+)-(.*)", re.S)
 _DOMAIN_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 _SCHEME_DEFAULT_PORT = {"https": 443, "http": 80}
+_KNOWN_MAX = 1024  # authorities remembered by Names.parse_authority
 
 
 class NameRefused(RemoteProtocolError):
@@ -132,6 +133,10 @@ class Names:
         self.listen_port = listen_port
         self.accepted_ports = frozenset({listen_port, _SCHEME_DEFAULT_PORT[scheme]})
         self._suffix = "." + d
+        # Authorities parsed before, and what they named: a client sends the same Host on every request,
+        # and each request's was parsed twice (request_target, requested_port). Only accepted ones are
+        # kept (a refusal is raised afresh), at most _KNOWN_MAX, forgotten all at once when full.
+        self._known: dict[str | bytes, Name] = {}
 
     # -- pull ------------------------------------------------------------------------------------
 
@@ -177,6 +182,16 @@ class Names:
 
     def parse_authority(self, authority: str | bytes) -> Name:
         """A Host header value or an HTTP/2 ``:authority``: ``host`` or ``host:port``."""
+        known = self._known.get(authority)
+        if known is not None:
+            return known
+        name = self._parse_authority(authority)
+        if len(self._known) >= _KNOWN_MAX:
+            self._known.clear()
+        self._known[authority] = name
+        return name
+
+    def _parse_authority(self, authority: str | bytes) -> Name:
         text = _ascii(authority, MAX_HOST + 1 + 6)
         if "@" in text:
             raise NameRefused("bad_authority", "userinfo")

@@ -280,3 +280,35 @@ def test_is_ip_is_ipaddress(text: str) -> None:
     except ValueError:
         want = False
     assert _is_ip(text) is want
+
+
+@given(st.lists(st.one_of(st.sampled_from([a for a, _ in AUTHORITIES_OK] + [a for a, _ in AUTHORITIES_REFUSED]),
+                          st.text(alphabet=ALPHABET, max_size=40)), max_size=30), st.booleans())
+def test_authorities_remembered_are_parsed_as_afresh(values: list[str], as_bytes: bool) -> None:
+    """Names.parse_authority remembers what it accepted: asked again (as str or bytes), it answers as a
+    Names that never saw the value would, refusals included, and it remembers a bounded number."""
+    import gateway.names as names_module
+
+    kept = names()
+    for value in values + values:
+        v: str | bytes = value.encode() if as_bytes and value.isascii() else value
+        try:
+            want: Name | str = names().parse_authority(v)
+        except NameRefused as e:
+            want = e.reason
+        try:
+            got: Name | str = kept.parse_authority(v)
+        except NameRefused as e:
+            got = e.reason
+        assert got == want
+    assert len(kept._known) <= names_module._KNOWN_MAX
+
+
+def test_the_remembered_authorities_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.names as names_module
+
+    monkeypatch.setattr(names_module, "_KNOWN_MAX", 8)
+    n = names()
+    for i in range(100):
+        assert n.parse_authority(f"s{i}.{DOMAIN}") == Name(f"s{i}", None)
+        assert len(n._known) <= 8
