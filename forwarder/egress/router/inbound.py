@@ -35,7 +35,6 @@ class InboundPath:
         self.vni = vni
         self.router_mac = router_mac
         self.vteps = dict(vteps)
-        self._vtep_keys = frozenset(self.vteps)
         self.batch = InboundBatch(vni, max_frames=max_frames, out_capacity=out_capacity)
         self.max_frames = max_frames
         self.claims: dict[int, str] = {}  # armed claim address -> its exit label
@@ -59,7 +58,7 @@ class InboundPath:
         vteps = self.vteps
         if not offs:
             return {}, []
-        if not set(srcs) <= self._vtep_keys:
+        if not set(srcs) <= vteps.keys():
             keep = [i for i, src in enumerate(srcs) if src in vteps]
             self.drops["unknown_vtep"] += len(srcs) - len(keep)
             offs, lens, srcs = [offs[i] for i in keep], [lens[i] for i in keep], [srcs[i] for i in keep]
