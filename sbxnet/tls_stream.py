@@ -359,8 +359,7 @@ class TlsStream:
     def _on_readable(self) -> None:
         waiter = self._read_waiter
         if waiter is not None:
-            if not waiter.done():
-                waiter.set_result(None)
+            _wake(waiter)
             return  # woken already, its reader not yet run: it will read
         # A wake queued in the same loop turn as its reader's, run after the reader took the bytes, comes
         # once; a second in a row means bytes wait with nobody reading.
