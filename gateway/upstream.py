@@ -177,7 +177,7 @@ async def _attempt(
         _close_raw(sock)
         raise _Retry("handshake_failed") from e
     try:
-        check_pin(stream.ssl_object, {route.forwarder.spki_pin})
+        check_pin(stream.ssl_object, route.forwarder.spki_pins)
     except PinMismatch:
         stream.abort()
         raise _Retry("pin_mismatch") from None

@@ -43,11 +43,11 @@ TICK = 1.0
 class PoolKey:
     host: str
     port: int
-    pin: str
+    pins: tuple[str, ...]  # the route's pins: a pooled link's key is one of them
 
     @classmethod
     def of(cls, fwd: Forwarder) -> PoolKey:
-        return cls(fwd.host, fwd.port, fwd.spki_pin)
+        return cls(fwd.host, fwd.port, fwd.spki_pins)
 
 
 @dataclass
@@ -180,7 +180,7 @@ class WarmPool:
         except (ssl.SSLError, OSError, TimeoutError):
             return None
         try:
-            check_pin(stream.ssl_object, {key.pin})
+            check_pin(stream.ssl_object, key.pins)
         except PinMismatch:
             stream.abort()
             log.warning("warm pool: forwarder key does not match its pin", extra={

@@ -9,6 +9,11 @@ Reason tokens (``RouteError.reason``): ``not_json``, ``not_object``, ``unknown_f
 ``bad_type``, ``bad_sandbox``, ``bad_incarnation``, ``bad_address``, ``bad_pin``, ``bad_ip``, ``bad_port``,
 ``bad_protocol``, ``bad_auth``, ``bad_token_hash``, ``bad_number``, ``bad_activity``, ``bad_state``,
 ``no_token``, ``default_port_not_exposed``, ``too_long``.
+
+A forwarder is pinned by a set of keys (``spki_pins``, 1..``MAX_PINS``): the key it has now, and during a
+rotation the next one (docs/forwarder.md, "Rotating a forwarder's key"). The body gives either
+``spki_pins`` (a list; duplicates count once) or ``spki_pin`` (one pin, the field as it was before the set);
+the encoders always write ``spki_pins``, sorted.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ ACTIVITIES: tuple[str, ...] = ("bytes", "connections")
 STATES: tuple[str, ...] = ("active", "idle", "stopping", "stopped", "waking")
 MAX_BODY = 64 * 1024
 MAX_PORTS = 64
+MAX_PINS = 4  # the current key, the next, and room to spare: a rotation needs two
 DEFAULT_CONNECT_DEADLINE_S = 10.0
 
 # A sandbox ID must be reachable as a host name label: <sandbox>.<domain> and <port>-<sandbox>.<domain>.
@@ -59,7 +65,7 @@ class PortSpec:
 class Forwarder:
     host: str  # an IP address literal
     port: int
-    spki_pin: str  # base64 SHA-256 of the forwarder's SubjectPublicKeyInfo
+    spki_pins: tuple[str, ...]  # base64 SHA-256 of each accepted SubjectPublicKeyInfo; sorted, no duplicates
 
     @property
     def address(self) -> str:
@@ -200,7 +206,7 @@ def _positive(obj: dict[str, Any], key: str, default: float | None = None, *, ca
 def _forwarder(v: object) -> Forwarder:
     if not isinstance(v, dict):
         raise RouteError("bad_type", "forwarder must be an object")
-    _fields(v, {"address", "spki_pin"}, set(), "forwarder")
+    _fields(v, {"address"}, {"spki_pin", "spki_pins"}, "forwarder")
     address = _str(v, "address")
     host, sep, port_text = address.rpartition(":")
     if not sep:
@@ -216,7 +222,31 @@ def _forwarder(v: object) -> Forwarder:
     if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
         raise RouteError("bad_address", "forwarder.address: no IPv6 zone (a route names a routable address)")
     port = _port_key(port_text) if port_text else _port(0, "forwarder port")
-    pin = _str(v, "spki_pin")
+    return Forwarder(str(ip), port, _pins(v))
+
+
+def _pins(v: dict[str, Any]) -> tuple[str, ...]:
+    if "spki_pin" in v and "spki_pins" in v:
+        raise RouteError("bad_pin", "forwarder: give spki_pins or spki_pin, not both")
+    if "spki_pin" in v:
+        return (_pin(_str(v, "spki_pin"), "spki_pin"),)
+    if "spki_pins" not in v:
+        raise RouteError("missing_field", "forwarder: spki_pins")
+    pins = v["spki_pins"]
+    if not isinstance(pins, list):
+        raise RouteError("bad_type", "spki_pins must be a list of pins")
+    if not pins:
+        raise RouteError("bad_pin", f"spki_pins must hold 1 to {MAX_PINS} pins")
+    if len(pins) > MAX_PINS:
+        raise RouteError("too_long", f"more than {MAX_PINS} spki_pins")
+    for pin in pins:
+        if not isinstance(pin, str):
+            raise RouteError("bad_type", "each of spki_pins must be a string")
+        _pin(pin, "each of spki_pins")
+    return tuple(sorted(set(pins)))
+
+
+def _pin(pin: str, what: str) -> str:
     try:
         raw = base64.b64decode(pin, validate=True)
     except (binascii.Error, ValueError):
@@ -224,8 +254,8 @@ def _forwarder(v: object) -> Forwarder:
     if len(raw) != 32 or base64.b64encode(raw).decode() != pin:
         # Canonical form only: pins are compared as strings, so another spelling of the same digest
         # (stray bits in the last character) would never match.
-        raise RouteError("bad_pin", "spki_pin must be the canonical base64 of a SHA-256 digest")
-    return Forwarder(str(ip), port, pin)
+        raise RouteError("bad_pin", f"{what} must be the canonical base64 of a SHA-256 digest")
+    return pin
 
 
 def _ip(v: object) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -316,7 +346,7 @@ def pull_route(data: bytes) -> Route:
 def _common_json(r: Route | Registration) -> dict[str, Any]:
     out: dict[str, Any] = {
         "incarnation": r.incarnation,
-        "forwarder": {"address": r.forwarder.address, "spki_pin": r.forwarder.spki_pin},
+        "forwarder": {"address": r.forwarder.address, "spki_pins": list(r.forwarder.spki_pins)},
         "target_ip": str(r.target_ip),
         "default_port": r.default_port,
         "ports": {str(p): {"protocol": s.protocol, "auth": s.auth} for p, s in sorted(r.ports.items())},

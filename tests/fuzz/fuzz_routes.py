@@ -10,7 +10,8 @@ nothing else. A returned ``Registration`` re-encodes (``push_registration``) to 
 equal value and re-encode to the same bytes; a ``Route`` likewise through ``push_route``. And the value
 means what the JSON said: every field the body gave (but a null ``token_sha256``, which is no token) has
 the same value in the re-encoded JSON, IP addresses compared as addresses, since only their spelling may
-change; fields it left out take their documented defaults.
+change; fields it left out take their documented defaults. The forwarder's pins (``spki_pin``, one, or
+``spki_pins``, a list) re-encode as ``spki_pins``: the same set, sorted, each once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def _address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, 
     return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")), int(port)
 
 
+def _pins_sent(forwarder: dict[str, Any]) -> set[str]:
+    return {forwarder["spki_pin"]} if "spki_pin" in forwarder else set(forwarder["spki_pins"])
+
+
 def _same_meaning(sent: dict[str, Any], canonical: dict[str, Any]) -> None:
     for key in sent.keys() | canonical.keys():
         if key == "token_sha256" and sent.get(key) is None:
@@ -54,8 +59,11 @@ def _same_meaning(sent: dict[str, Any], canonical: dict[str, Any]) -> None:
         if key == "target_ip":
             a, b = ipaddress.ip_address(a), ipaddress.ip_address(b)
         elif key == "forwarder":
-            a = {**a, "address": _address(a["address"])}
-            b = {**b, "address": _address(b["address"])}
+            a = {"address": _address(a["address"]), "pins": _pins_sent(a)}
+            pins = b["spki_pins"]
+            if pins != sorted(set(pins)) or set(b) != {"address", "spki_pins"}:
+                raise AssertionError(f"the pins re-encode unsorted, repeated or under another field: {b!r}")
+            b = {"address": _address(b["address"]), "pins": set(pins)}
         if a != b or type(a) is bool or type(b) is bool:  # True == 1: a bool must never pass for a number
             raise AssertionError(f"{key}: the body said {a!r}, the re-encoded value says {b!r}")
 

@@ -24,12 +24,14 @@ OUT = HERE.parent / "seeds" / "routes"
 REGISTRATION, ROUTE = b"P", b"R"
 MAX_BODY = 64 * 1024  # routes.MAX_BODY, written out: the seeds are to test it
 PIN = base64.b64encode(hashlib.sha256(b"spki").digest()).decode()
+PIN_NEXT = base64.b64encode(hashlib.sha256(b"next spki").digest()).decode()
+PIN_THIRD = base64.b64encode(hashlib.sha256(b"third spki").digest()).decode()
 TOKEN = hashlib.sha256(b"secret").hexdigest()
 DROP = object()  # a field to leave out
 
 GOLDEN: dict[str, Any] = {
     "incarnation": "2f9c1e6a",
-    "forwarder": {"address": "10.0.3.7:8443", "spki_pin": PIN},
+    "forwarder": {"address": "10.0.3.7:8443", "spki_pins": [PIN]},
     "target_ip": "10.200.1.5",
     "default_port": 8080,
     "ports": {"8080": {"protocol": "http", "auth": "token"}, "22": {"protocol": "tcp", "auth": "public"}},
@@ -59,6 +61,11 @@ def route(**over: Any) -> bytes:
 
 def fwd(address: object = "10.0.3.7:8443", pin: object = PIN) -> dict[str, Any]:
     return {"address": address, "spki_pin": pin}
+
+
+def pins(*values: object) -> dict[str, Any]:
+    """A forwarder pinned by a set (``spki_pins``), as the platform registers one during a key rotation."""
+    return {"address": "10.0.3.7:8443", "spki_pins": list(values)}
 
 
 def port(protocol: object = "http", auth: object = "public", number: str = "8080", **extra: Any) -> dict[str, Any]:
@@ -249,6 +256,29 @@ def seeds() -> dict[str, bytes]:
     out["bad_number-route-deadline-false"] = route(connect_deadline_s=False)
     for what, activity in [("packets", "packets"), ("capitalised", "Bytes"), ("null", None), ("number", 1)]:
         out[f"bad_activity-registration-{what}"] = reg(activity=activity)
+    # -- a set of pins (spki_pins: the current key and the next during a rotation) ----------------------
+    out["ok-registration-single-pin-field"] = reg(forwarder=fwd())  # the field before the set: still taken
+    out["ok-route-single-pin-field"] = route(forwarder=fwd())
+    out["ok-registration-pins-current-and-next"] = reg(forwarder=pins(PIN, PIN_NEXT))
+    out["ok-route-pins-current-and-next"] = route(forwarder=pins(PIN, PIN_NEXT))
+    out["ok-registration-pins-one"] = reg(forwarder=pins(PIN))
+    out["ok-registration-pins-unsorted-and-repeated"] = reg(forwarder=pins(PIN_NEXT, PIN, PIN_NEXT))
+    out["ok-route-pins-four"] = route(forwarder=pins(PIN, PIN_NEXT, PIN_THIRD, PIN))
+    out["bad_pin-registration-pin-and-pins"] = reg(forwarder={**pins(PIN), "spki_pin": PIN})
+    out["bad_pin-registration-pins-empty"] = reg(forwarder=pins())
+    out["bad_pin-route-pins-one-not-base64"] = route(forwarder=pins(PIN, "!" * 44))
+    out["bad_pin-registration-pins-one-not-canonical"] = reg(
+        forwarder=pins(PIN, PIN_NEXT[:-2] + chr(ord(PIN_NEXT[-2]) + 1) + "="))
+    out["bad_pin-registration-pins-one-empty"] = reg(forwarder=pins(PIN, ""))
+    out["too_long-registration-pins-five"] = reg(forwarder=pins(PIN, PIN_NEXT, PIN_THIRD, PIN, PIN_NEXT))
+    out["too_long-route-pins-5000"] = route(forwarder=pins(*[PIN] * 5000))
+    out["bad_type-registration-pins-a-string"] = reg(forwarder={"address": "10.0.3.7:8443", "spki_pins": PIN})
+    out["bad_type-registration-pins-null"] = reg(forwarder={"address": "10.0.3.7:8443", "spki_pins": None})
+    out["bad_type-registration-pins-an-object"] = reg(forwarder={"address": "10.0.3.7:8443", "spki_pins": {PIN: 1}})
+    out["bad_type-registration-pins-one-a-number"] = reg(forwarder=pins(PIN, 12345))
+    out["bad_type-registration-pins-one-a-list"] = reg(forwarder=pins(PIN, [PIN_NEXT]))
+    out["bad_type-registration-pin-a-list"] = reg(forwarder={"address": "10.0.3.7:8443", "spki_pin": [PIN]})
+    out["unknown_field-registration-pins-typo"] = reg(forwarder={"address": "10.0.3.7:8443", "spki_pinz": [PIN]})
     return out
 
 

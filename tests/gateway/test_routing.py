@@ -36,7 +36,7 @@ def route(sandbox: str = "a", **over: object) -> Route:
         "sandbox": sandbox,
         "incarnation": "i1",
         "state": "active",
-        "forwarder": Forwarder("10.0.3.7", 8443, PIN),
+        "forwarder": Forwarder("10.0.3.7", 8443, (PIN,)),
         "target_ip": ipaddress.ip_address("10.200.1.5"),
         "default_port": 8080,
         "ports": {

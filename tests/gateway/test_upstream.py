@@ -48,7 +48,7 @@ def pin(pki: Pki, stem: str = "forwarder") -> str:
 def route(fwd_port: int, app_port: int, pki: Pki, *, deadline: float = 3.0, pin_of: str = "forwarder") -> Route:
     return Route(
         sandbox="sbx-1", incarnation="i1", state="active",
-        forwarder=Forwarder("127.0.0.1", fwd_port, pin(pki, pin_of)),
+        forwarder=Forwarder("127.0.0.1", fwd_port, (pin(pki, pin_of),)),
         target_ip=ipaddress.ip_address("127.0.0.1"), default_port=app_port,
         ports={app_port: PortSpec("http", "public")}, token_sha256=None, connect_deadline_s=deadline,
     )

@@ -49,7 +49,7 @@ def enc(obj: object) -> bytes:
 
 def test_the_documented_registration_decodes() -> None:
     r = pull_registration(enc(registration()))
-    assert r.forwarder == Forwarder("10.0.3.7", 8443, PIN)
+    assert r.forwarder == Forwarder("10.0.3.7", 8443, (PIN,))
     assert r.target_ip == ipaddress.ip_address("10.200.1.5")
     assert r.ports == {8080: PortSpec("http", "token"), 22: PortSpec("tcp", "public")}
     assert (r.default_port, r.token_sha256, r.idle_period_s, r.activity, r.connect_deadline_s) == (
@@ -167,3 +167,71 @@ def test_mutated_fields_only_ever_raise_route_error(changes: dict[str, Any]) -> 
         pull_registration(enc(registration(**changes)))
     except RouteError:
         pass
+
+
+# -- a set of pins (issue 22 point 17: a forwarder's key rotated without cutting its host off) -------------
+
+PIN_B = base64.b64encode(hashlib.sha256(b"next spki").digest()).decode()
+PIN_C = base64.b64encode(hashlib.sha256(b"third spki").digest()).decode()
+
+
+def pinned(**fwd: object) -> dict[str, Any]:
+    return registration(forwarder={"address": "10.0.3.7:8443", **fwd})
+
+
+def test_a_forwarder_is_pinned_by_a_set_written_sorted_once_each() -> None:
+    r = pull_registration(enc(pinned(spki_pins=[PIN_B, PIN, PIN_B])))
+    assert set(r.forwarder.spki_pins) == {PIN, PIN_B} and len(r.forwarder.spki_pins) == 2
+    for body in (push_registration(r), push_route(r.route("sbx-1", "active"))):
+        assert json.loads(body)["forwarder"] == {"address": "10.0.3.7:8443", "spki_pins": sorted([PIN, PIN_B])}
+    # The order the platform gave does not matter: the same set is the same forwarder.
+    assert pull_registration(enc(pinned(spki_pins=[PIN, PIN_B]))) == r
+
+
+def test_the_single_pin_field_is_still_taken_and_comes_back_as_a_set_of_one() -> None:
+    r = pull_registration(enc(pinned(spki_pin=PIN)))
+    assert r.forwarder.spki_pins == (PIN,)
+    assert r == pull_registration(enc(pinned(spki_pins=[PIN])))
+    assert json.loads(push_registration(r))["forwarder"] == {"address": "10.0.3.7:8443", "spki_pins": [PIN]}
+    route = json.loads(push_route(r.route("sbx-1", "active")))
+    assert route["forwarder"]["spki_pins"] == [PIN] and "spki_pin" not in route["forwarder"]
+
+
+@pytest.mark.parametrize(
+    ("fwd", "reason"),
+    [
+        ({"spki_pins": [PIN], "spki_pin": PIN}, "bad_pin"),  # both: which one is meant?
+        ({}, "missing_field"),
+        ({"spki_pins": []}, "bad_pin"),
+        ({"spki_pins": [PIN, PIN_B, PIN_C, PIN, PIN_B]}, "too_long"),  # five entries, even if three differ
+        ({"spki_pins": PIN}, "bad_type"),
+        ({"spki_pins": {"a": PIN}}, "bad_type"),
+        ({"spki_pins": None}, "bad_type"),
+        ({"spki_pins": [PIN, 7]}, "bad_type"),
+        ({"spki_pins": [PIN, [PIN_B]]}, "bad_type"),
+        ({"spki_pins": [PIN, "short"]}, "bad_pin"),
+        ({"spki_pins": [PIN, PIN_B.rstrip("=")]}, "bad_pin"),
+        ({"spki_pins": [PIN, PIN_B[:-2] + chr(ord(PIN_B[-2]) + 1) + "="]}, "bad_pin"),  # not canonical
+        ({"spki_pins": [PIN, ""]}, "bad_pin"),
+        ({"spki_pin": [PIN]}, "bad_type"),  # the single field takes one string
+    ],
+)
+def test_each_refusal_of_the_pins_has_its_reason(fwd: dict[str, Any], reason: str) -> None:
+    for pull, body in ((pull_registration, pinned(**fwd)),
+                       (pull_route, {**json.loads(push_route(pull_registration(enc(registration())).route(
+                           "sbx-1", "active"))), "forwarder": {"address": "10.0.3.7:8443", **fwd}})):
+        with pytest.raises(RouteError) as e:
+            pull(enc(body))
+        assert e.value.reason == reason, (pull.__name__, fwd)
+
+
+_SOME_PINS = [base64.b64encode(hashlib.sha256(bytes([i])).digest()).decode() for i in range(6)]
+
+
+@given(st.lists(st.sampled_from(_SOME_PINS), min_size=1, max_size=4))
+def test_any_one_to_four_pins_decode_to_their_set_and_round_trip(pins: list[str]) -> None:
+    r = pull_registration(enc(pinned(spki_pins=pins)))
+    assert r.forwarder.spki_pins == tuple(sorted(set(pins)))
+    assert pull_registration(push_registration(r)) == r
+    route = r.route("sbx-1", "active")
+    assert pull_route(push_route(route)) == route
