@@ -48,9 +48,10 @@ migrated schema gets it for the pages written from then on.
 Schema: the same tables as SQLite's (``scheduler/sqlite_store.py``) with PostgreSQL types (BIGINT,
 DOUBLE PRECISION, BOOLEAN, an IDENTITY id), created when absent in the connection's ``search_path``
 schema under an advisory lock (replicas may start together), with its version in ``schema_version``:
-version 3. Older schemas are migrated there under the same lock: version 1 as SQLite's version 2 is (open
+version 4. Older schemas are migrated there under the same lock: version 1 as SQLite's version 2 is (open
 counts per source, the one count becoming the unattributed source's, and the ledger's last-applied time,
-0 for the rows that were there), version 2 as SQLite's 3 (row versions, 0 for the rows there); another
+0 for the rows that were there), version 2 as SQLite's 3 (row versions, 0 for the rows there), version 3
+as SQLite's 5 (each registration rewritten with the forwarder's pins as a set, ``spki_pins``); another
 version is refused. Replicas of different versions must not run on one database: stop every replica,
 then start the new ones (an old one would write no ``open_by`` and no ``applied_at``, and, worst, no
 ``row_version``: the new replicas would take a row it changed for one they hold already). The
@@ -94,12 +95,13 @@ from scheduler.store import (
     event_of,
     event_row,
     meter_row,
+    rewritten_registrations,
     state_of,
     state_row,
 )
 from scheduler.timers import Event, SandboxState
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _SCHEMA_LOCK = 0x5B8E_5C4E_0001  # pg_advisory_xact_lock key while the schema is checked or created
 
 _SCHEMA = """
@@ -163,6 +165,8 @@ _MIGRATE_2 = (
     "ALTER TABLE sandboxes SET (fillfactor = 50)",
     "UPDATE schema_version SET version = 3",
 )
+# Version 3 -> 4, as SQLite's 5 -> 6: each registration rewritten as this build writes it (``spki_pins``).
+_REWRITE_REGISTRATION = "UPDATE sandboxes SET registration = %s WHERE sandbox = %s"
 
 _ROW_COLS = f"sandbox, registration, registered_at, row_version, {', '.join(STATE_COLUMNS)}"
 # Arrays go as %b (binary): the text format quotes each element, which costs more than the statement.
@@ -529,6 +533,12 @@ class PgStore(OneShotWrites):
             if rows == [(2,)]:
                 for stmt in _MIGRATE_2:
                     tx.execute(stmt)
+                rows = [(3,)]
+            if rows == [(3,)]:
+                old = tx.execute("SELECT sandbox, registration FROM sandboxes ORDER BY sandbox").fetchall()
+                for args in rewritten_registrations(old):
+                    tx.execute(_REWRITE_REGISTRATION, args)
+                tx.execute("UPDATE schema_version SET version = 4")
                 return
             if rows != [(SCHEMA_VERSION,)]:
                 found = [r[0] for r in rows]

@@ -38,14 +38,16 @@ connection last read and wrote while no other connection has committed since (``
 read under ``BEGIN IMMEDIATE``, moves only when another connection commits), so with one writer a feed
 batch reads no row at all; after another connection's commit it reads the versions again.
 
-The schema is created on open, with its version in ``schema_version``: version 5. Older files are
+The schema is created on open, with its version in ``schema_version``: version 6. Older files are
 migrated on open, in one transaction: version 1 had no webhook claim columns (added); version 2 kept one
 open count per sandbox and nothing about when a ledger record was last applied. Its count becomes the
 unattributed source's (``store.UNATTRIBUTED``, which the service forgets once, ``source_stale_s`` after it
 starts), and its ledger rows get ``applied_at`` 0 (the service's grace after a start covers them: a live
 forwarder's next batch sets it); version 3 had no row versions (its rows get 0, and versions are handed
-out from 1); version 4 kept the meters and the row version in ``sandboxes`` (moved to ``meters``). A file
-of any other version is refused.
+out from 1); version 4 kept the meters and the row version in ``sandboxes`` (moved to ``meters``); version 5
+wrote a forwarder's one pin as ``spki_pin`` (each registration is rewritten as ``push_registration`` writes it
+now, with ``spki_pins``: a build older than the pin set cannot read those, and refuses the file by its
+version). A file of any other version is refused.
 """
 
 from __future__ import annotations
@@ -79,12 +81,13 @@ from scheduler.store import (
     event_of,
     event_row,
     open_by_text,
+    rewritten_registrations,
     state_of,
     state_row,
 )
 from scheduler.timers import Event, SandboxState
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _SCHEMA = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -168,6 +171,9 @@ _MIGRATE_4 = (
     "ALTER TABLE sandboxes DROP COLUMN row_version",
     "UPDATE schema_version SET version = 5",
 )
+# Version 5 -> 6: a forwarder pinned by a set (``spki_pins``); each stored registration is rewritten as this
+# build writes it (``store.rewritten_registrations``), in _create.
+_REWRITE_REGISTRATION = "UPDATE sandboxes SET registration = ? WHERE sandbox = ?"
 
 # The state's columns by table (state_row gives them in STATE_COLUMNS order).
 _TRAFFIC = METER_COLUMNS[: -len(COUNT_COLUMNS)]  # in ``meters``: last_activity, bytes_in, bytes_out
@@ -533,6 +539,11 @@ class SqliteStore(OneShotWrites):
             if rows == [(4,)]:
                 for stmt in _MIGRATE_4:
                     c.execute(stmt)
+                rows = [(5,)]
+            if rows == [(5,)]:
+                old = c.execute("SELECT sandbox, registration FROM sandboxes").fetchall()
+                c.executemany(_REWRITE_REGISTRATION, rewritten_registrations(old))
+                c.execute("UPDATE schema_version SET version = 6")
                 return
             if rows != [(SCHEMA_VERSION,)]:
                 found = [r[0] for r in rows]

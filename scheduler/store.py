@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 from sbxnet.errors import EnvironmentFault, LocalProtocolError
 from sbxnet.protocol.feed import Batch
-from sbxnet.protocol.routes import Registration, RouteError, pull_registration
+from sbxnet.protocol.routes import Registration, RouteError, pull_registration, push_registration
 from scheduler.feed_ledger import Decision, Stored, decide
 from scheduler.timers import METER_FIELDS, Activity, Event, SandboxConfig, SandboxState, State, TimerCore, Why
 
@@ -444,6 +444,22 @@ class RegistrationCache:
     def keep_only(self, sandboxes: Collection[str]) -> None:
         """After a full read: drop the sandboxes no longer stored."""
         self._regs = {s: v for s, v in self._regs.items() if s in sandboxes}
+
+
+def rewritten_registrations(rows: Sequence[Sequence[Any]]) -> list[tuple[str, str]]:
+    """For a migration: ``(body, sandbox)`` for each ``(sandbox, body)`` row whose registration this build
+    writes otherwise (a forwarder's one ``spki_pin`` becomes ``spki_pins``), as ``push_registration`` writes
+    it now. A body that does not decode is left as it is: it was unreadable before (reads of it raise
+    ``bad_row``), and rewriting it would lose what it held."""
+    out: list[tuple[str, str]] = []
+    for sandbox, body in rows:
+        try:
+            fresh = push_registration(pull_registration(str(body).encode())).decode()
+        except (RouteError, LocalProtocolError):
+            continue
+        if fresh != body:
+            out.append((fresh, str(sandbox)))
+    return out
 
 
 def load_core(store: Store) -> TimerCore:

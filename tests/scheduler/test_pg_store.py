@@ -10,6 +10,7 @@ the server is down and works again, with nothing lost or doubled, once it is bac
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -20,10 +21,10 @@ import psycopg
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_store_contract import E1, FWD, FWD2, batch, both, reg, register, totals
+from test_store_contract import E1, FWD, FWD2, PIN, batch, both, reg, register, totals
 
 from sbxnet.protocol.feed import epoch_start_ns
-from sbxnet.protocol.routes import push_registration
+from sbxnet.protocol.routes import Registration, push_registration
 from scheduler.feed_ledger import Stored, Verdict, decide
 from scheduler.pg_store import _OPEN_FROM, SCHEMA_VERSION, PgStore, _id_array, _number_array
 from scheduler.store import UNATTRIBUTED, CoreAhead, LedgerConflict, StoreError, ingest_batch, load_core, sync_core
@@ -246,9 +247,27 @@ UPDATE schema_version SET version = 2;
 """
 
 
-@pytest.mark.parametrize("version", [1, 2])
+# What version 3 added to version 2, as it wrote it.
+SCHEMA_V3_OVER_V2 = """
+ALTER TABLE sandboxes ADD COLUMN row_version BIGINT NOT NULL DEFAULT 0;
+CREATE SEQUENCE row_versions;
+ALTER TABLE sandboxes SET (fillfactor = 50);
+UPDATE schema_version SET version = 3;
+"""
+
+
+def single_pin_body(r: Registration) -> str:
+    """``r`` as versions 1 to 3 wrote it: the forwarder's one pin as ``spki_pin``."""
+    obj = json.loads(push_registration(r))
+    fwd = obj["forwarder"]
+    (pin,) = fwd.pop("spki_pins")
+    fwd["spki_pin"] = pin
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_an_older_schema_is_migrated_with_its_rows(dsn: str, stores: list[PgStore], version: int) -> None:
-    body = push_registration(reg(activity="connections")).decode()
+    body = single_pin_body(reg(activity="connections"))
     with psycopg.connect(dsn) as c:
         for stmt in SCHEMA_V1.split(";"):
             if stmt.strip():
@@ -258,16 +277,23 @@ def test_an_older_schema_is_migrated_with_its_rows(dsn: str, stores: list[PgStor
         c.execute(sql, ("sbx-a", body, "active", 2))
         c.execute(sql, ("sbx-b", body, "idle", 0))
         c.execute("INSERT INTO feed_ledger VALUES (%s, %s, %s, 3)", (FWD, E1, epoch_start_ns(E1)))
-        if version == 2:
-            for stmt in SCHEMA_V2_OVER_V1.split(";"):
-                if stmt.strip():
-                    c.execute(stmt)
+        for over, since in ((SCHEMA_V2_OVER_V1, 2), (SCHEMA_V3_OVER_V2, 3)):
+            if version >= since:
+                for stmt in over.split(";"):
+                    if stmt.strip():
+                        c.execute(stmt)
     made = both(lambda: PgStore(dsn), lambda: PgStore(dsn))  # two replicas starting: migrated once
     stores += made
     store = made[0]
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
         assert fillfactor(c) == ["fillfactor=50"]
+        # Every registration as this build writes it: the forwarder's pin as a set of one (spki_pins).
+        want = push_registration(reg(activity="connections")).decode()
+        assert '"spki_pins":' in want
+        assert c.execute("SELECT registration FROM sandboxes").fetchall() == [(want,), (want,)]
+    assert {r.sandbox: r.registration.forwarder.spki_pins for r in store.sandboxes()} == {
+        "sbx-a": (PIN,), "sbx-b": (PIN,)}
     rows = {r.sandbox: r.state for r in store.sandboxes()}
     assert (rows["sbx-a"].open_by, rows["sbx-a"].open_connections, rows["sbx-a"].bytes_in) == ({UNATTRIBUTED: 2}, 2, 7)
     assert rows["sbx-b"].open_by == {} and rows["sbx-b"].state is State.IDLE

@@ -170,11 +170,37 @@ UPDATE schema_version SET version = 4;
 """
 
 
+# What version 5 did to version 4 (the meters in a table of their own), as it wrote it.
+SCHEMA_V5_OVER_V4 = """
+CREATE TABLE meters (
+    sandbox TEXT PRIMARY KEY, last_activity REAL, bytes_in INTEGER NOT NULL, bytes_out INTEGER NOT NULL,
+    row_version INTEGER NOT NULL DEFAULT 0
+);
+INSERT INTO meters (sandbox, last_activity, bytes_in, bytes_out, row_version)
+    SELECT sandbox, last_activity, bytes_in, bytes_out, row_version FROM sandboxes;
+ALTER TABLE sandboxes DROP COLUMN last_activity;
+ALTER TABLE sandboxes DROP COLUMN bytes_in;
+ALTER TABLE sandboxes DROP COLUMN bytes_out;
+ALTER TABLE sandboxes DROP COLUMN row_version;
+UPDATE schema_version SET version = 5;
+"""
+
+
+def single_pin_body(r: Registration) -> str:
+    """``r`` as versions 1 to 5 wrote it: the forwarder's one pin as ``spki_pin``."""
+    obj = json.loads(push_registration(r))
+    fwd = obj["forwarder"]
+    (pin,) = fwd.pop("spki_pins")
+    fwd["spki_pin"] = pin
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)
+
+
 def old_file(db: Path, version: int) -> None:
-    """A file as version 1, 2, 3 or 4 left it: sbx-a active with two connections open (one count, no source
-    before version 3), sbx-b idle with none, a ledger record, and sbx-a's idle event due to the webhook."""
+    """A file as version 1, 2, 3, 4 or 5 left it: sbx-a active with two connections open (one count, no source
+    before version 3), sbx-b idle with none, a ledger record, and sbx-a's idle event due to the webhook; the
+    registrations with the forwarder's one pin (``spki_pin``)."""
     schema = SCHEMA_V2 if version >= 2 else SCHEMA_V2.replace(",\n    claimed_by TEXT, claimed_until REAL", "")
-    body = push_registration(reg(activity="connections")).decode()
+    body = single_pin_body(reg(activity="connections"))
     c = sqlite3.connect(db)
     c.executescript(schema)
     c.execute("INSERT INTO schema_version VALUES (?)", (version,))
@@ -187,16 +213,24 @@ def old_file(db: Path, version: int) -> None:
     c.commit()
     if version >= 3:
         c.executescript(SCHEMA_V3_OVER_V2)
-    if version == 4:
+    if version >= 4:
         c.executescript(SCHEMA_V4_OVER_V3)
+    if version == 5:
+        c.executescript(SCHEMA_V5_OVER_V4)
     c.close()
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
 def test_an_older_file_is_migrated_with_its_rows(db: Path, version: int) -> None:
     old_file(db, version)
     with SqliteStore(db) as store:
         assert store._conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        # Every registration as this build writes it: the forwarder's pin as a set of one (spki_pins).
+        want = push_registration(reg(activity="connections")).decode()
+        assert '"spki_pins":' in want
+        assert store._conn.execute("SELECT registration FROM sandboxes").fetchall() == [(want,), (want,)]
+        assert {r.sandbox: r.registration.forwarder.spki_pins for r in store.sandboxes()} == {
+            "sbx-a": (PIN,), "sbx-b": (PIN,)}
         rows = {r.sandbox: r.state for r in store.sandboxes()}
         # The one count is the unattributed source's: the rest of the state is as it was.
         assert (rows["sbx-a"].open_by, rows["sbx-a"].open_connections) == ({UNATTRIBUTED: 2}, 2)
@@ -209,7 +243,7 @@ def test_an_older_file_is_migrated_with_its_rows(db: Path, version: int) -> None
         assert core.holding(UNATTRIBUTED) == ["sbx-a"] and core.next_timer() is None  # held open; sbx-b idle
         # Row versions: 0 for the rows there before version 4, handed out from 1 (version 4's kept, and
         # handed out after its last).
-        a_was, last = (3, 3) if version == 4 else (0, 0)
+        a_was, last = (3, 3) if version >= 4 else (0, 0)
         assert {r.sandbox: r.version for r in store.sandboxes()} == {"sbx-a": a_was, "sbx-b": 0}
         assert core.stored_version("sbx-b") == 0
         assert ingest_batch(core, store, FWD, batch(E1, 4, ("sbx-b", 1, 1)), 500.0)[0].apply
@@ -224,6 +258,23 @@ def test_an_older_file_is_migrated_with_its_rows(db: Path, version: int) -> None
     with SqliteStore(db) as store:  # reopened: nothing is migrated twice
         assert store._conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
         assert {r.sandbox: r.state.open_by for r in store.sandboxes()} == {"sbx-a": {"": 2}, "sbx-b": {}}
+
+
+def test_the_pin_migration_leaves_a_registration_it_cannot_read_as_it_was(db: Path) -> None:
+    """A row whose stored registration does not decode was unreadable before version 6 too: the migration
+    keeps its text (nothing lost) and rewrites the others; reading it is the same store error as before."""
+    old_file(db, 5)
+    c = sqlite3.connect(db)
+    c.execute("UPDATE sandboxes SET registration = ? WHERE sandbox = 'sbx-b'", ('{"not": "a registration"}',))
+    c.commit()
+    c.close()
+    with SqliteStore(db) as store:
+        rows = dict(store._conn.execute("SELECT sandbox, registration FROM sandboxes").fetchall())
+        assert rows == {"sbx-a": push_registration(reg(activity="connections")).decode(),
+                        "sbx-b": '{"not": "a registration"}'}
+        with pytest.raises(StoreError) as e:
+            store.sandboxes()
+        assert e.value.reason == "bad_row" and "sbx-b" in e.value.detail
 
 
 def test_a_row_whose_open_counts_do_not_parse_is_a_store_error(db: Path) -> None:
