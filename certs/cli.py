@@ -47,6 +47,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                          "certificates and a scheduler admin token")
     dev.add_argument("--dir", type=Path, required=True)
     dev.add_argument("--trust-domain", default="sbxnet.local")
+    _configure_rotation(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from certs.mint import load_issued, mint_ca, mint_leaf, spki_pin, write_issued
 
     cmd = args.certs_cmd
+    if cmd in _ROTATION:
+        return _run_rotation(args)
     if cmd == "pin":
         cert = x509.load_pem_x509_certificate(args.cert.read_bytes())
         print(spki_pin(cert))
@@ -105,4 +108,101 @@ def run(args: argparse.Namespace) -> int:
         leaf = mint_leaf(ca, args.name, uris=uris, server=False, client=True, days=args.days)
     cert_path, key_path = write_issued(leaf, args.dir, args.name)
     print(f"wrote {cert_path} and {key_path} (0600); SPKI pin {spki_pin(leaf.cert)}")
+    return 0
+
+
+# -- renewing and rotating a leaf's key (docs/forwarder.md, "Rotating a forwarder's key") ----------------
+
+_ROTATION = ("renew", "next-key", "promote")
+
+
+def _configure_rotation(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    renew = sub.add_parser("renew", help="re-issue <name>.crt for the key it has (same SPKI pin, same SANs), "
+                           "signed by the CA; <name>.key is not touched")
+    nxt = sub.add_parser("next-key", help="mint the next key ahead: <name>.next.crt/.key beside the current "
+                         "ones (same SANs, not installed), and print its SPKI pin for the routes")
+    promote = sub.add_parser("promote", help="install <name>.next.crt/.key as <name>.crt/.key, keeping the "
+                             "current pair as <name>.prev.crt/.key (then SIGHUP the process)")
+    for p in (renew, nxt, promote):
+        p.add_argument("--dir", type=Path, required=True, help="directory holding ca.crt/ca.key and the leaf")
+        p.add_argument("--name", default="forwarder", help="the leaf's file stem")
+    for p in (renew, nxt):
+        p.add_argument("--days", type=float, default=365)
+
+
+def _run_rotation(args: argparse.Namespace) -> int:
+    from cryptography.exceptions import InvalidSignature
+
+    from certs.mint import Issued, load_issued, reissue, spki_pin, write_cert, write_issued
+
+    d, name = args.dir, args.name
+    try:
+        ca = load_issued(d, "ca")
+        if args.certs_cmd == "promote":
+            fresh = load_issued(d, f"{name}.next")
+        else:
+            current = load_issued(d, name)
+    except FileNotFoundError as e:
+        hint = f"mint it with 'sbxnet certs next-key --dir {d} --name {name}'" if args.certs_cmd == "promote" \
+            else "mint it first"
+        print(f"certs: {e.filename} not found: {hint}")
+        return 1
+    except ValueError as e:
+        print(f"certs: cannot read {d}/{name}: {e}")
+        return 1
+
+    def matches(pair: Issued, stem: str) -> bool:
+        if pair.cert.public_key() == pair.key.public_key():
+            return True
+        print(f"certs: {d / stem}.crt is not the certificate of {d / stem}.key; nothing written")
+        return False
+
+    if args.certs_cmd == "renew":
+        if not matches(current, name):
+            return 1
+        renewed = reissue(ca, current.cert, current.key, days=args.days)
+        cert_path = write_cert(renewed.cert, d, name)
+        print(f"renewed {cert_path} keeping its key: SPKI pin {spki_pin(renewed.cert)} (unchanged); "
+              f"valid to {renewed.cert.not_valid_after_utc:%Y-%m-%d}. SIGHUP the process that uses it")
+        return 0
+    if args.certs_cmd == "next-key":
+        for suffix in ("crt", "key"):
+            there = d / f"{name}.next.{suffix}"
+            if there.exists():
+                print(f"certs: {there} exists already (its pin may be in routes): promote it with 'sbxnet certs "
+                      f"promote --dir {d} --name {name}', or remove {d / name}.next.crt and .key first")
+                return 1
+        if not matches(current, name):
+            return 1
+        nxt = reissue(ca, current.cert, None, days=args.days)
+        cert_path, key_path = write_issued(nxt, d, f"{name}.next")
+        print(f"wrote {cert_path} and {key_path} (0600), not installed; the current key stays in use")
+        print(f"next SPKI pin {spki_pin(nxt.cert)} (current {spki_pin(current.cert)}): add it to the routes of "
+              f"this forwarder (spki_pins: [current, next]), then 'sbxnet certs promote --dir {d} --name {name}' "
+              f"and SIGHUP")
+        return 0
+    # promote
+    if not matches(fresh, f"{name}.next"):
+        return 1
+    try:
+        fresh.cert.verify_directly_issued_by(ca.cert)
+    except (ValueError, TypeError, InvalidSignature) as e:
+        print(f"certs: {d / name}.next.crt is not issued by {d / 'ca.crt'} ({type(e).__name__}); nothing moved")
+        return 1
+    was = None
+    if (d / f"{name}.crt").exists() or (d / f"{name}.key").exists():
+        try:
+            old = load_issued(d, name)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"certs: cannot keep the current {d / name}.crt/.key as {name}.prev ({e}); nothing moved")
+            return 1
+        write_issued(old, d, f"{name}.prev")
+        was = spki_pin(old.cert)
+    # Key first, then certificate: each rename is atomic; the pair is whole again after the second, and the
+    # process reads them only when told to (SIGHUP) or when it starts.
+    os.replace(d / f"{name}.next.key", d / f"{name}.key")
+    os.replace(d / f"{name}.next.crt", d / f"{name}.crt")
+    kept = f" (was {was}, kept as {d / name}.prev.crt/.key)" if was else ""
+    print(f"installed {d / name}.crt and {d / name}.key: SPKI pin {spki_pin(fresh.cert)}{kept}. SIGHUP the "
+          f"forwarder; once it has reloaded, the routes may drop the old pin")
     return 0

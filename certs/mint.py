@@ -120,6 +120,40 @@ def mint_leaf(
     return Issued(key, cert)
 
 
+def reissue(
+    ca: Issued,
+    template: x509.Certificate,
+    key: ec.EllipticCurvePrivateKey | None = None,
+    *,
+    days: float = 365,
+    not_before: dt.datetime | None = None,
+) -> Issued:
+    """A certificate like ``template`` (its subject and every extension: SANs, usages, constraints) for
+    ``key`` (None: a fresh key), signed by ``ca`` with a fresh serial and validity. With the key it had,
+    this is a renewal that keeps its SPKI pin; with a fresh one, its next key (a new pin)."""
+    if key is None:
+        key = ec.generate_private_key(ec.SECP256R1())
+    start, end = _validity(not_before, days)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(template.subject)
+        .issuer_name(ca.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+    )
+    for ext in template.extensions:
+        if isinstance(ext.value, x509.AuthorityKeyIdentifier | x509.SubjectKeyIdentifier):
+            continue  # both name keys: made afresh below for this key and this CA
+        builder = builder.add_extension(ext.value, ext.critical)
+    builder = builder.add_extension(
+        x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
+    if any(isinstance(ext.value, x509.SubjectKeyIdentifier) for ext in template.extensions):
+        builder = builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    return Issued(key, builder.sign(ca.key, hashes.SHA256()))
+
+
 def spki_pin(cert: x509.Certificate) -> str:
     """Base64 SHA-256 of the DER SubjectPublicKeyInfo (the form Envoy and HPKP use)."""
     spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -145,6 +179,13 @@ def write_issued(issued: Issued, directory: Path, stem: str) -> tuple[Path, Path
     _atomic_write(key_path, issued.key_pem, 0o600)
     _atomic_write(cert_path, issued.cert_pem, 0o644)
     return cert_path, key_path
+
+
+def write_cert(cert: x509.Certificate, directory: Path, stem: str) -> Path:
+    """Write ``<stem>.crt`` (0644) alone, its key file untouched (a renewal keeping the key)."""
+    path = directory / f"{stem}.crt"
+    _atomic_write(path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return path
 
 
 def load_issued(directory: Path, stem: str) -> Issued:
