@@ -40,6 +40,49 @@ def open_store(settings: SchedulerSettings) -> Store:
     return PgStore(settings.database)
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_store(settings: SchedulerSettings) -> str:
+    """``--check``'s look at the store, changing nothing on disk or in the database: an SQLite file that
+    exists must be an SQLite database this process may write (its header is read, nothing opened), one
+    that does not must be creatable (its nearest existing directory writable); a PostgreSQL server must
+    accept a connection (``SELECT 1``, no schema made). Returns what it found; raises StoreError."""
+    import os
+
+    from scheduler.store import StoreError
+
+    path = settings.sqlite_path
+    if path is None:
+        import psycopg
+
+        try:
+            with psycopg.connect(settings.database, connect_timeout=5, autocommit=True) as conn:
+                conn.execute("SELECT 1")
+        except psycopg.Error as e:
+            raise StoreError("open", f"cannot connect to the database: {str(e).strip()}") from None
+        return "the database answers"
+    if path.exists():
+        if not path.is_file():
+            raise StoreError("open", f"{path} is not a file")
+        try:
+            with path.open("rb") as f:
+                head = f.read(len(SQLITE_HEADER))
+        except OSError as e:
+            raise StoreError("open", f"{path}: {e.strerror}") from None
+        if head and head != SQLITE_HEADER:
+            raise StoreError("open", f"{path} is not an SQLite database")
+        if not os.access(path, os.R_OK | os.W_OK) or not os.access(path.parent, os.W_OK | os.X_OK):
+            raise StoreError("open", f"{path}: this user cannot write it and its directory (WAL files live beside it)")
+        return f"the SQLite database {path} exists"
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise StoreError("open", f"{path} does not exist and cannot be created: {existing} is not a writable directory")
+    return f"the SQLite database {path} will be created at start"
+
+
 def server_tls(settings: SchedulerSettings) -> ssl.SSLContext:
     """TLS 1.3; a client certificate is asked for (gateways, forwarders) but not required (the platform
     calls with a bearer token); one that does not chain to ``ca_file`` fails the handshake."""
@@ -60,7 +103,10 @@ def serve(settings: SchedulerSettings, *, check_only: bool = False) -> int:
     try:
         server_tls(settings)
         settings.admin_hash()
-        store = open_store(settings)
+        if check_only:
+            found = check_store(settings)
+        else:
+            open_store(settings).close()  # it opens (creating it if new); then again on its own thread
     except LOAD_ERRORS as e:
         print(f"scheduler: cannot load the TLS material ({e}); check cert_file, key_file and ca_file",
               file=sys.stderr)
@@ -69,10 +115,8 @@ def serve(settings: SchedulerSettings, *, check_only: bool = False) -> int:
         print(f"scheduler: {e.detail or e}", file=sys.stderr)
         return 2 if e.reason.startswith("config") else 1
     if check_only:
-        store.close()
-        print("scheduler: settings, certificates and the store are valid")
+        print(f"scheduler: settings and certificates are valid; {found}")
         return 0
-    store.close()  # checked; it is opened again on its own thread
     import uvloop
 
     return uvloop.run(_main(settings))
