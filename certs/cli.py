@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import sys
 from pathlib import Path
 
 
@@ -43,6 +44,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     pin = sub.add_parser("pin", help="print the SPKI pin (base64 SHA-256) of a PEM certificate")
     pin.add_argument("cert", type=Path)
 
+    tok = sub.add_parser("token", help="make a bearer token file (0600), or hash one: prints the admin_token_sha256 "
+                         "to configure", description="make a bearer token file (0600), or hash an existing one, and "
+                         "print its SHA-256 as the scheduler's admin_token_sha256 wants it (the file's trailing "
+                         "newline is not part of the token)")
+    made = tok.add_mutually_exclusive_group(required=True)
+    made.add_argument("--out", type=Path, help="write a fresh token to this file (refused if it exists)")
+    made.add_argument("--hash", type=Path, metavar="FILE", help="hash the token already in FILE")
+
     dev = sub.add_parser("dev", help="mint a CA, forwarder (localhost), gateway and scheduler (localhost) "
                          "certificates and a scheduler admin token")
     dev.add_argument("--dir", type=Path, required=True)
@@ -55,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from certs.mint import load_issued, mint_ca, mint_leaf, spki_pin, write_issued
 
     cmd = args.certs_cmd
+    if cmd == "token":
+        return _token(args)
     if cmd == "pin":
         cert = x509.load_pem_x509_certificate(args.cert.read_bytes())
         print(spki_pin(cert))
@@ -105,4 +116,29 @@ def run(args: argparse.Namespace) -> int:
         leaf = mint_leaf(ca, args.name, uris=uris, server=False, client=True, days=args.days)
     cert_path, key_path = write_issued(leaf, args.dir, args.name)
     print(f"wrote {cert_path} and {key_path} (0600); SPKI pin {spki_pin(leaf.cert)}")
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from certs.tokens import TokenFileError, new_token, read_token_file, token_sha256, write_token_file
+
+    if args.hash is not None:
+        try:
+            token = read_token_file(args.hash)
+        except TokenFileError as e:
+            print(f"certs token: {e}", file=sys.stderr)
+            return 2
+        print(f"admin_token_sha256 = {token_sha256(token)}")
+        return 0
+    token = new_token()
+    try:
+        write_token_file(args.out, token)
+    except FileExistsError:
+        print(f"certs token: {args.out} exists; remove it first, or hash it with --hash {args.out}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"certs token: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} (0600): the token, on one line")
+    print(f"admin_token_sha256 = {token_sha256(token)}")
     return 0

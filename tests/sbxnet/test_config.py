@@ -74,7 +74,8 @@ def test_a_bad_token_hash_is_redacted(tmp_path: Path, files: dict[str, Path]) ->
     text = error_of(tmp_path, "[scheduler]\n" + table)
     assert "TOKEN-ITSELF" not in text
     assert text.splitlines() == [
-        "config: scheduler.admin_token_sha256 = <redacted>: 64 lower-case hex digits (sha256sum of the token) "
+        "config: scheduler.admin_token_sha256 = <redacted>: 64 lower-case hex digits (`sbxnet certs token --hash FILE` "
+        "prints it) "
         "(set SBXNET_SCHEDULER_ADMIN_TOKEN_SHA256 or admin_token_sha256 in [scheduler])"]
 
 
