@@ -13,8 +13,10 @@ platform can call with a token alone; a certificate that does not chain to the C
   wake too, for an operator).
 
 Refusals are one line: 400 with the reason for a bad body or parameter (unknown fields too), 401 without
-credentials, 403 with the wrong ones, 404 for an unknown sandbox, 503 when the store is unavailable, and
-503 with ``Retry-After: 1`` when the store thread has too many operations waiting (``store_thread.Busy``).
+credentials, 403 with the wrong ones (each 401 and 403 counted and logged, one warning line with the reason,
+the caller's address and SANs and what it asked, never the token), 404 for an unknown sandbox, 503 when
+the store is unavailable, and 503 with ``Retry-After: 1`` when the store thread has too many operations
+waiting (``store_thread.Busy``).
 Every store call is awaited on the service's store threads, never made on the event loop.
 """
 
@@ -25,6 +27,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 import math
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -44,6 +47,8 @@ MAX_WAKE_WAIT_S = 30.0
 DEFAULT_WAKE_WAIT_S = 10.0
 SSE_HEARTBEAT_S = 15.0
 DRIVER_EVENTS = ("stopping", "stopped", "ready", "failed")
+
+log = logging.getLogger("sbxnet.scheduler")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -113,6 +118,21 @@ class Api:
     def _count(self, reason: str) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + 1
 
+    def _refuse(self, request: web.Request, reason: str, status: int, sans: list[str] | None) -> None:
+        """Count a refused caller and log it, one line: who (address, certificate SANs), what it asked, why;
+        never the token."""
+        self._count(reason)
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        hint = {
+            "wrong_token": "the bearer token's SHA-256 is not admin_token_sha256 (a token file is read without its "
+                           "trailing newline: `sbxnet certs token --hash FILE` prints the hash to configure)",
+            "no_credentials": "no bearer token" + (" and no certificate" if sans is None else ""),
+            "san_not_allowed": "the client certificate's SANs are not on gateway_san_allow",
+        }[reason]
+        log.warning(f"refused {request.method} {request.path}: {hint}", extra={
+            "event": "refused", "reason": reason, "peer": f"{peer[0]}:{peer[1]}" if peer else None,
+            "fields": {"status": status, "method": request.method, "path": request.path, "sans": sans}})
+
     def _is_admin(self, request: web.Request) -> bool | None:
         """True: the admin token; False: a wrong one; None: no bearer token at all."""
         auth = request.headers.get("Authorization", "")
@@ -136,14 +156,14 @@ class Api:
         if admin:
             return
         if admin is None and sans is not None and gateway:
-            self._count("san_not_allowed")
+            self._refuse(request, "san_not_allowed", 403, sans)
             raise _Refused(web.Response(status=403, text="this certificate is not a gateway's\n"))
         if admin is None:
-            self._count("no_credentials")
+            self._refuse(request, "no_credentials", 401, sans)
             raise _Refused(web.Response(status=401, text="authentication required: a bearer token"
                                         + (" or a gateway certificate" if gateway else "") + "\n",
                                         headers={"WWW-Authenticate": "Bearer"}))
-        self._count("wrong_token")
+        self._refuse(request, "wrong_token", 403, sans)
         raise _Refused(web.Response(status=403, text="wrong token\n"))
 
     @staticmethod

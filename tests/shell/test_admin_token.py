@@ -6,13 +6,20 @@ without the token."""
 from __future__ import annotations
 
 import hashlib
+import json
+import signal
+import socket
+import ssl
 import stat
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
-from shell_support import clean_env
+from shell_support import clean_env, mint, sample_configs
 
 from certs.tokens import read_token_file, token_sha256
 
@@ -55,3 +62,52 @@ def test_hash_refuses_a_file_that_is_not_one_token(tmp_path: Path, content: str)
     (tmp_path / "t").write_text(content)
     out = sbxnet("certs", "token", "--hash", str(tmp_path / "t"))
     assert out.returncode == 2 and str(tmp_path / "t") in out.stderr and out.stdout == ""
+
+
+def _call(port: int, ca: Path, token: str) -> int:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    req = urllib.request.Request(f"https://localhost:{port}/v1/sandboxes", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+@pytest.mark.parametrize("how", ["admin_token_sha256", "admin_token_file"])
+def test_the_scheduler_takes_the_printed_hash_and_logs_a_refusal_without_the_token(tmp_path: Path, how: str) -> None:
+    pki = tmp_path / "pki"
+    mint(CLI, pki)
+    (pki / "admin.token").unlink()
+    made = sbxnet("certs", "token", "--out", str(pki / "admin.token"))
+    assert made.returncode == 0, made.stderr
+    digest = made.stdout.splitlines()[-1].split(" = ")[1]
+    config = sample_configs(pki, tmp_path / "etc", var=tmp_path / "var")["scheduler"]
+    if how == "admin_token_sha256":
+        config.write_text(config.read_text().replace(f'admin_token_file = "{pki}/admin.token"',
+                                                     f'admin_token_sha256 = "{digest}"'))
+    port = int(next(ln for ln in config.read_text().splitlines() if ln.startswith("listen_port")).split("=")[1])
+    proc = subprocess.Popen([*CLI, "scheduler", "--config", str(config)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        token = (pki / "admin.token").read_text().strip()
+        assert _call(port, pki / "ca.crt", token) == 200
+        wrong = token[:-4] + "XXXX"
+        assert _call(port, pki / "ca.crt", wrong) == 403
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert token not in err.decode() and wrong not in err.decode()
+    logs = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]
+    refused = [r for r in logs if r.get("event") == "refused"]
+    assert len(refused) == 1, err.decode()
+    (r,) = refused
+    assert r["reason"] == "wrong_token" and r["status"] == 403 and r["path"] == "/v1/sandboxes"
+    assert r["peer"].startswith("127.0.0.1:") and "certs token --hash" in r["msg"]
