@@ -23,7 +23,6 @@ Every store call is awaited on the service's store threads, never made on the ev
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
@@ -112,6 +111,16 @@ class Api:
         self.route_cache_s = route_cache_s
         self.negative_cache_s = negative_cache_s
         self.refused: dict[str, int] = {}  # 401/403 by reason
+        self._closing = asyncio.Event()  # set at SIGTERM: event streams end at once
+
+    def set_admin_hash(self, admin_token_sha256: str) -> None:
+        """Take a new admin token's SHA-256 (SIGHUP read the token file again); calls from now on need it."""
+        self._admin = bytes.fromhex(admin_token_sha256)
+
+    def close_streams(self) -> None:
+        """End every event stream now (the process is stopping): each handler returns, so the server's
+        shutdown does not wait out its timeout for streams that never end by themselves."""
+        self._closing.set()
 
     # -- who is calling -------------------------------------------------------------------------
 
@@ -259,7 +268,7 @@ class Api:
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events from the store's log: ``id`` is the event's id, so a client that reconnects
         with ``Last-Event-ID`` (or ``?after=``) misses nothing. Without one the stream starts at the log's
-        beginning."""
+        beginning. It ends when the process stops (``close_streams``), at once."""
         self._require(request, gateway=False)
         raw = request.headers.get("Last-Event-ID") or request.query.get("after") or "0"
         try:
@@ -277,7 +286,7 @@ class Api:
     async def _stream_events(self, resp: web.StreamResponse, after: int) -> None:
         loop = asyncio.get_running_loop()
         beat = loop.time() + SSE_HEARTBEAT_S
-        while True:
+        while not self._closing.is_set():
             news = self.service.new_events()
             try:
                 batch = await self.service.read(_events_after, after, bounded=False)
@@ -292,9 +301,15 @@ class Api:
             if loop.time() >= beat:
                 await resp.write(b": keep-alive\n\n")
                 beat = loop.time() + SSE_HEARTBEAT_S
-            with contextlib.suppress(TimeoutError):
-                # Local news wakes it at once; events another replica wrote arrive on the next poll.
-                await asyncio.wait_for(news.wait(), 1.0)
+            # Local news wakes it at once; events another replica wrote arrive on the next poll; a stop
+            # ends it at once.
+            waits = [asyncio.ensure_future(news.wait()), asyncio.ensure_future(self._closing.wait())]
+            try:
+                await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
 
     # -- the application ------------------------------------------------------------------------
 

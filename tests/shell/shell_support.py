@@ -3,9 +3,13 @@ command an operator runs), and a sample config file for each daemon pointing at 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 DAEMONS = ("gateway", "forwarder", "scheduler", "egress")
@@ -82,8 +86,9 @@ feed_url = "https://localhost:{sched}/v1/feed"
 """,
         "egress": f"""
 exits = ["exit-a=192.0.2.10@02:00:00:00:00:0a"]
+listen = "127.0.0.1"
+port = {ports.get("egress") or free_port()}
 metrics_port = 0
-state_dir = "{var}/lib/sbxnet/egress"
 """,
     }
     paths = {}
@@ -102,3 +107,60 @@ def tree(root: Path) -> dict[str, tuple[int, int, int]]:
             st = p.lstat()
             out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
     return out
+
+
+class Daemon:
+    """``sbxnet <daemon> --config F`` as a real process; its JSON log lines collected as they come."""
+
+    def __init__(self, sbxnet: list[str], daemon: str, config: Path, cwd: Path) -> None:
+        self.name = daemon
+        self.p = subprocess.Popen([*sbxnet, daemon, "--config", str(config)], cwd=cwd, env=clean_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.logs: list[dict[str, object]] = []
+        self.other: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.p.stderr is not None
+        for line in self.p.stderr:
+            with self._cond:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    self.other.append(line)
+                else:
+                    self.logs.append(record)
+                self._cond.notify_all()
+
+    def events(self, *names: str) -> list[dict[str, object]]:
+        with self._cond:
+            return [r for r in self.logs if r.get("event") in names]
+
+    def wait_for(self, *names: str, count: int = 1, timeout: float = 30.0) -> list[dict[str, object]]:
+        """Once ``count`` lines with one of these events were logged: all of them."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(found := [r for r in self.logs if r.get("event") in names]) < count:
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.p.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"{self.name}: no {names} x{count} in {self.logs} {self.other}")
+                self._cond.wait(min(left, 0.2))
+            return found
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        try:
+            code = self.p.wait(timeout)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+                self.p.wait()
+            self._reader.join(10)
+            if self.p.stdout is not None:
+                self.p.stdout.close()
+            if self.p.stderr is not None:
+                self.p.stderr.close()
+        return code
