@@ -159,6 +159,20 @@ def read_secret(path: Path) -> bytes:
     return secret
 
 
+def webhook_secret(settings: SchedulerSettings) -> bytes | None:
+    """``webhook_secret_file``'s key at start, or ConfigError naming the setting and the file."""
+    path = settings.webhook_secret_file
+    if path is None:
+        return None
+    try:
+        return read_secret(path)
+    except (OSError, ValueError) as e:
+        from sbxnet.errors import ConfigError
+
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise ConfigError(f"config: scheduler.webhook_secret_file: {path}: {why}") from None
+
+
 def _secret_part(path: Path, webhook: WebhookSender) -> Part:
     def load() -> object:
         try:
@@ -185,6 +199,7 @@ def serve(settings: SchedulerSettings, *, check_only: bool = False) -> int:
     try:
         server_tls(settings)
         settings.admin_hash()
+        webhook_secret(settings)
         if check_only:
             found = check_store(settings)
         else:
@@ -194,7 +209,8 @@ def serve(settings: SchedulerSettings, *, check_only: bool = False) -> int:
               file=sys.stderr)
         return 2
     except SbxnetError as e:
-        print(f"scheduler: {e.detail or e}", file=sys.stderr)
+        # a settings error reads as the loader's do ("config: <table>.<field>: ..."); others are the scheduler's
+        print(str(e) if e.reason == "config" else f"scheduler: {e.detail or e}", file=sys.stderr)
         return 2 if e.reason.startswith("config") else 1
     if check_only:
         print(f"scheduler: settings and certificates are valid; {found}")
@@ -262,7 +278,7 @@ async def _serve(settings: SchedulerSettings, worker: StoreThread, store: Store,
               route_cache_s=settings.route_cache_s, negative_cache_s=settings.negative_cache_s)
     webhook = None
     if settings.webhook_url is not None:
-        secret = read_secret(settings.webhook_secret_file) if settings.webhook_secret_file else None
+        secret = webhook_secret(settings)
         wctx = ssl.create_default_context(cafile=str(settings.webhook_ca_file) if settings.webhook_ca_file else None)
         webhook = WebhookSender(store, settings.webhook_url, news=service.new_events, worker=worker, secret=secret,
                                 ssl_context=wctx)

@@ -111,3 +111,16 @@ def test_the_scheduler_takes_the_printed_hash_and_logs_a_refusal_without_the_tok
     (r,) = refused
     assert r["reason"] == "wrong_token" and r["status"] == 403 and r["path"] == "/v1/sandboxes"
     assert r["peer"].startswith("127.0.0.1:") and "certs token --hash" in r["msg"]
+
+
+@pytest.mark.parametrize("content", ["", "\n"])
+def test_an_empty_webhook_secret_file_is_refused_at_start(tmp_path: Path, content: str) -> None:
+    pki = tmp_path / "pki"
+    mint(CLI, pki)
+    (pki / "webhook.secret").write_text(content)
+    config = sample_configs(pki, tmp_path / "etc", var=tmp_path / "var")["scheduler"]
+    config.write_text(config.read_text() + f'webhook_url = "https://platform.invalid/hook"\n'
+                                           f'webhook_secret_file = "{pki}/webhook.secret"\n')
+    out = sbxnet("scheduler", "--check", "--config", str(config))
+    assert out.returncode == 2, out
+    assert out.stderr == f"config: scheduler.webhook_secret_file: {pki}/webhook.secret: empty\n"
