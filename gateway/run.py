@@ -78,17 +78,27 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
     )
 
 
+def tls_files(s: GatewaySettings) -> dict[str, list[str]]:
+    """Every certificate, key and CA file the gateway loads, certificates and keys paired in order (for
+    ``certs.loader.diagnose``)."""
+    certs = [*s.cert_files, s.scheduler_cert_file or s.upstream_cert_file, s.upstream_cert_file]
+    keys = [*s.key_files, s.scheduler_key_file or s.upstream_key_file, s.upstream_key_file]
+    cas = [s.client_ca_file, s.scheduler_ca_file or s.upstream_ca_file, s.upstream_ca_file]
+    return {"certs": [str(f) for f in certs], "keys": [str(f) for f in keys],
+            "cas": [str(f) for f in cas if f is not None]}
+
+
 def serve(settings: GatewaySettings, *, check_only: bool = False) -> int:
     jsonlog.setup(settings.log_level)
-    from certs.loader import LOAD_ERRORS
+    from certs.loader import LOAD_ERRORS, diagnose
     from sbxnet.errors import SbxnetError
 
     try:
         build_config(settings)
     except LOAD_ERRORS as e:
-        print(f"gateway: cannot load the TLS material ({e}); check cert_files, key_files, client_ca_file and "
-              "upstream_*",
-              file=sys.stderr)
+        file, why = diagnose(e, **tls_files(settings))
+        print(f"gateway: cannot load the TLS material: {file}: {why} (cert_files, key_files, client_ca_file, "
+              "upstream_*, scheduler_*)", file=sys.stderr)
         return 2
     except SbxnetError as e:
         print(f"gateway: {e.detail or e}", file=sys.stderr)

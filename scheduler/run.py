@@ -193,21 +193,26 @@ def serve(settings: SchedulerSettings, *, check_only: bool = False) -> int:
     from sbxnet import jsonlog
 
     jsonlog.setup(settings.log_level)
-    from certs.loader import LOAD_ERRORS
+    from certs.loader import LOAD_ERRORS, diagnose
     from sbxnet.errors import SbxnetError
 
     try:
         server_tls(settings)
+    except LOAD_ERRORS as e:
+        file, why = diagnose(e, certs=[settings.cert_file], keys=[settings.key_file], cas=[settings.ca_file])
+        print(f"scheduler: cannot load the TLS material: {file}: {why} (cert_file, key_file, ca_file)",
+              file=sys.stderr)
+        return 2
+    try:
         settings.admin_hash()
         webhook_secret(settings)
         if check_only:
             found = check_store(settings)
         else:
             open_store(settings).close()  # it opens (creating it if new); then again on its own thread
-    except LOAD_ERRORS as e:
-        print(f"scheduler: cannot load the TLS material ({e}); check cert_file, key_file and ca_file",
-              file=sys.stderr)
-        return 2
+    except OSError as e:  # the SQLite database's directory could not be made
+        print(f"scheduler: cannot open the store: {e}", file=sys.stderr)
+        return 1
     except SbxnetError as e:
         # a settings error reads as the loader's do ("config: <table>.<field>: ..."); others are the scheduler's
         print(str(e) if e.reason == "config" else f"scheduler: {e.detail or e}", file=sys.stderr)

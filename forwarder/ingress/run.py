@@ -51,7 +51,9 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False, takeover: bo
 
         server_context(settings)
     except loader.LOAD_ERRORS as e:
-        print(f"forwarder: cannot load the TLS material ({e}); check cert_file, key_file and ca_file", file=sys.stderr)
+        file, why = loader.diagnose(e, certs=[settings.cert_file], keys=[settings.key_file], cas=[settings.ca_file])
+        print(f"forwarder: cannot load the TLS material: {file}: {why} (cert_file, key_file, ca_file)",
+              file=sys.stderr)
         return 2
     if settings.feed_url is not None:
         from forwarder.ingress.feed_reporter import feed_ssl_context
@@ -60,9 +62,11 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False, takeover: bo
         try:
             feed_ssl_context(settings)
         except loader.LOAD_ERRORS as e:
+            cert, key, ca = settings.feed_files
+            file, why = loader.diagnose(e, certs=[cert], keys=[key], cas=[ca])
             print(
-                f"forwarder: cannot load the feed's TLS material ({e}); check feed_cert_file, feed_key_file and "
-                "feed_ca_file (by default cert_file, key_file and ca_file)",
+                f"forwarder: cannot load the feed's TLS material: {file}: {why} (feed_cert_file, feed_key_file, "
+                "feed_ca_file; by default cert_file, key_file and ca_file)",
                 file=sys.stderr,
             )
             return 2

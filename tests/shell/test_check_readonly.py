@@ -4,6 +4,7 @@ and the scheduler's check still tells a store it cannot use."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,26 @@ def test_check_refuses_a_database_that_cannot_be_created(pki: Path, tmp_path: Pa
     (tmp_path / "var").write_text("a file where a directory should be\n")
     out = check("scheduler", configs["scheduler"], tmp_path)
     assert out.returncode == 1 and "cannot be created" in out.stderr, out
+
+
+@pytest.mark.parametrize(("daemon", "broken", "how"), [
+    ("gateway", "scheduler.crt", "empty"),  # its client-facing certificate in the sample config
+    ("gateway", "gateway.key", "other_key"),  # its link client key, not its certificate's
+    ("forwarder", "forwarder.key", "empty"),
+    ("forwarder", "ca.crt", "empty"),
+    ("scheduler", "scheduler.key", "other_key"),
+])
+def test_check_names_the_tls_file_that_cannot_be_loaded(
+        daemon: str, broken: str, how: str, pki: Path, tmp_path: Path) -> None:
+    own = Path(shutil.copytree(pki, tmp_path / "pki"))
+    configs = sample_configs(own, tmp_path / "etc", var=tmp_path / "var")
+    if how == "empty":
+        (own / broken).write_text("")
+        named = own / broken
+    else:  # a valid key that belongs to another certificate: the certificate is the file named
+        (own / broken).write_bytes((own / "forwarder.key").read_bytes())
+        named = own / broken.replace(".key", ".crt")
+    out = check(daemon, configs[daemon], tmp_path)
+    assert out.returncode == 2, out
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"{daemon}: cannot load the TLS material: {named}: "), line
