@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import sys
 from pathlib import Path
 
 
@@ -43,6 +44,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     pin = sub.add_parser("pin", help="print the SPKI pin (base64 SHA-256) of a PEM certificate")
     pin.add_argument("cert", type=Path)
 
+    tok = sub.add_parser("token", help="make a bearer token file (0600), or hash one: prints the admin_token_sha256 "
+                         "to configure", description="make a bearer token file (0600), or hash an existing one, and "
+                         "print its SHA-256 as the scheduler's admin_token_sha256 wants it (the file's trailing "
+                         "newline is not part of the token)")
+    made = tok.add_mutually_exclusive_group(required=True)
+    made.add_argument("--out", type=Path, help="write a fresh token to this file (refused if it exists)")
+    made.add_argument("--hash", type=Path, metavar="FILE", help="hash the token already in FILE")
+
     dev = sub.add_parser("dev", help="mint a CA, forwarder (localhost), gateway and scheduler (localhost) "
                          "certificates and a scheduler admin token")
     dev.add_argument("--dir", type=Path, required=True)
@@ -58,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.certs_cmd
     if cmd in _ROTATION:
         return _run_rotation(args)
+    if cmd == "token":
+        return _token(args)
     if cmd == "pin":
         cert = x509.load_pem_x509_certificate(args.cert.read_bytes())
         print(spki_pin(cert))
@@ -205,4 +216,26 @@ def _run_rotation(args: argparse.Namespace) -> int:
     kept = f" (was {was}, kept as {d / name}.prev.crt/.key)" if was else ""
     print(f"installed {d / name}.crt and {d / name}.key: SPKI pin {spki_pin(fresh.cert)}{kept}. SIGHUP the "
           f"forwarder; once it has reloaded, the routes may drop the old pin")
+def _token(args: argparse.Namespace) -> int:
+    from certs.tokens import TokenFileError, new_token, read_token_file, token_sha256, write_token_file
+
+    if args.hash is not None:
+        try:
+            token = read_token_file(args.hash)
+        except TokenFileError as e:
+            print(f"certs token: {e}", file=sys.stderr)
+            return 2
+        print(f"admin_token_sha256 = {token_sha256(token)}")
+        return 0
+    token = new_token()
+    try:
+        write_token_file(args.out, token)
+    except FileExistsError:
+        print(f"certs token: {args.out} exists; remove it first, or hash it with --hash {args.out}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"certs token: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} (0600): the token, on one line")
+    print(f"admin_token_sha256 = {token_sha256(token)}")
     return 0

@@ -99,6 +99,13 @@ class Reloadable(Generic[T]):
         self._load = load
         self.current: T = load()
 
+    def load(self) -> T:
+        """A fresh value, not yet in use (raises what loading raises); ``use`` swaps it in."""
+        return self._load()
+
+    def use(self, fresh: T) -> None:
+        self.current = fresh
+
     def reload(self) -> BaseException | None:
         """Load again; on success swap and return None, on a loading error keep the old value and
         return the error (the caller logs and counts it)."""
@@ -108,3 +115,37 @@ class Reloadable(Generic[T]):
             return e
         self.current = fresh
         return None
+
+
+def diagnose(error: BaseException, *, certs: Collection[str | Path] = (), keys: Collection[str | Path] = (),
+             cas: Collection[str | Path] = ()) -> tuple[str, str]:
+    """Which file made loading fail, and why, for a log line: ``ssl`` names no file (``[SSL] PEM lib``), so
+    each one is read again. Certificates and CA bundles must hold PEM certificates, keys an unencrypted PEM
+    private key; if all do, the key does not belong to its certificate (``certs``[i] with ``keys``[i])."""
+    for path in (*certs, *keys, *cas):
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            return str(path), e.strerror or str(e)
+        if path in keys:
+            try:
+                serialization.load_pem_private_key(data, password=None)
+            except (ValueError, TypeError) as e:
+                return str(path), f"not an unencrypted PEM private key ({e})"
+        else:
+            try:
+                x509.load_pem_x509_certificates(data)
+            except ValueError as e:
+                return str(path), f"no PEM certificate in it ({e})"
+    for cert, key in zip(certs, keys, strict=False):
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile=str(cert), keyfile=str(key))
+        except LOAD_ERRORS as e:
+            return str(cert), f"cannot be used with its key {key} ({getattr(e, 'reason', None) or e})"
+    for ca in cas:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=str(ca))
+        except LOAD_ERRORS as e:
+            return str(ca), f"cannot be used as a CA bundle ({getattr(e, 'reason', None) or e})"
+    first = next(iter((*certs, *keys, *cas)), "")
+    return str(first), str(error)

@@ -75,6 +75,13 @@ class StaticRoutes:
             return e
         return None
 
+    def load(self) -> dict[str, Route]:
+        """The file read again, not yet in use (raises EnvironmentFault); ``use`` swaps it in."""
+        return self._load(self.path)
+
+    def use(self, routes: dict[str, Route]) -> None:
+        self._routes = routes
+
     async def lookup(self, sandbox: str) -> Lookup:
         return Lookup(self._routes.get(sandbox), self.ttl)
 

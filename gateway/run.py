@@ -3,7 +3,8 @@
 SIGTERM and SIGINT drain (``GatewayServer.drain``: stop accepting, close idle HTTP connections in order,
 GOAWAY to HTTP/2, ``Connection: close`` on the answers in flight, return once the last connection is gone or
 cut what is left, upgrades and raw TCP among them, at ``drain_timeout``); SIGHUP
-reloads the client-facing certificates and the routes file, keeping the old ones if either fails to load.
+reloads the client-facing certificates (and client CA) and the routes file, all or nothing
+(``sbxnet.reload``): if either fails to load, both are kept as they were and one line names the file.
 With ``workers`` > 1 the supervisor in ``sbxnet.supervisor`` starts that many of these processes
 (``gateway.worker``) on one port (SO_REUSEPORT), serves the ops endpoints with their metrics summed, and
 passes the signals on. Each worker has its own route source, route cache and wake coalescing.
@@ -15,7 +16,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 
 from gateway.route_source import StaticRoutes
@@ -23,6 +23,8 @@ from gateway.scheduler_routes import SchedulerRoutes
 from gateway.server import GatewayConfig
 from gateway.settings import GatewaySettings
 from sbxnet import jsonlog
+from sbxnet.errors import SbxnetError
+from sbxnet.reload import Part, ReloadError, reload, wire_signals
 
 log = logging.getLogger("sbxnet.gateway")
 
@@ -76,17 +78,27 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
     )
 
 
+def tls_files(s: GatewaySettings) -> dict[str, list[str]]:
+    """Every certificate, key and CA file the gateway loads, certificates and keys paired in order (for
+    ``certs.loader.diagnose``)."""
+    certs = [*s.cert_files, s.scheduler_cert_file or s.upstream_cert_file, s.upstream_cert_file]
+    keys = [*s.key_files, s.scheduler_key_file or s.upstream_key_file, s.upstream_key_file]
+    cas = [s.client_ca_file, s.scheduler_ca_file or s.upstream_ca_file, s.upstream_ca_file]
+    return {"certs": [str(f) for f in certs], "keys": [str(f) for f in keys],
+            "cas": [str(f) for f in cas if f is not None]}
+
+
 def serve(settings: GatewaySettings, *, check_only: bool = False) -> int:
     jsonlog.setup(settings.log_level)
-    from certs.loader import LOAD_ERRORS
+    from certs.loader import LOAD_ERRORS, diagnose
     from sbxnet.errors import SbxnetError
 
     try:
         build_config(settings)
     except LOAD_ERRORS as e:
-        print(f"gateway: cannot load the TLS material ({e}); check cert_files, key_files, client_ca_file and "
-              "upstream_*",
-              file=sys.stderr)
+        file, why = diagnose(e, **tls_files(settings))
+        print(f"gateway: cannot load the TLS material: {file}: {why} (cert_files, key_files, client_ca_file, "
+              "upstream_*, scheduler_*)", file=sys.stderr)
         return 2
     except SbxnetError as e:
         print(f"gateway: {e.detail or e}", file=sys.stderr)
@@ -150,15 +162,15 @@ async def _main(settings: GatewaySettings, *, reuse_port: bool, ops: bool) -> in
         if ops_server:
             await ops_server.close()
         return 1
+    # The signals before the listening line: from then on a SIGHUP reloads and a SIGTERM drains.
+    stop = asyncio.Event()
+    parts = reload_parts(settings, config)
+    wire_signals(stop, lambda: reload(log, parts))
     await server.start(listener)
     log.info("gateway listening", extra={"event": "listening",
                                          "fields": {"address": f"{settings.listen_host}:{server.port}",
                                                     "domain": settings.domain}})
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(config))
     await stop.wait()
     log.info("draining", extra={"event": "draining", "fields": {"open": server.open_connections}})
     started = loop.time()
@@ -172,13 +184,32 @@ async def _main(settings: GatewaySettings, *, reuse_port: bool, ops: bool) -> in
     return 0
 
 
-def _reload(config: GatewayConfig) -> None:
+def reload_parts(settings: GatewaySettings, config: GatewayConfig) -> list[Part]:
+    """What SIGHUP reloads: the client-facing certificates (and the client CA), and the routes file if
+    routes come from one. The link's and the scheduler's client certificates are read at start only."""
+    from certs.loader import LOAD_ERRORS, diagnose
+
+    certs = [str(f) for f in settings.cert_files]
+    keys = [str(f) for f in settings.key_files]
+    cas = [str(settings.client_ca_file)] if settings.client_ca_file is not None else []
+    front = config.front
+
+    def load_front() -> object:
+        try:
+            return front.load()
+        except LOAD_ERRORS as e:
+            raise ReloadError(*diagnose(e, certs=certs, keys=keys, cas=cas), kind=type(e).__name__) from None
+
+    parts = [Part("certificates", load_front, front.use, files=(*certs, *keys, *cas))]
     routes = config.routes
-    routes_err = routes.reload() if isinstance(routes, StaticRoutes) else None
-    for what, err in (("certificates", config.front.reload()), ("routes", routes_err)):
-        if err is None:
-            log.info(f"{what} reloaded", extra={"event": "reloaded", "fields": {"what": what}})
-        else:
-            log.error(f"{what} reload failed; keeping the current ones",
-                      extra={"event": "reload_failed", "reason": type(err).__name__,
-                             "fields": {"what": what, "error": str(err)}})
+    if isinstance(routes, StaticRoutes):
+        static = routes
+
+        def load_routes() -> object:
+            try:
+                return static.load()
+            except SbxnetError as e:
+                raise ReloadError(str(static.path), e.detail or str(e), kind=e.reason) from None
+
+        parts.append(Part("routes file", load_routes, static.use, files=(str(static.path),)))
+    return parts

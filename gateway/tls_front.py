@@ -216,6 +216,15 @@ class FrontTls:
         """Load every certificate again; on any failure keep the current set and return the error."""
         return self._set.reload()
 
+    def load(self) -> object:
+        """Every certificate loaded again, not yet in use (raises ``certs.loader.LOAD_ERRORS``); ``use`` swaps
+        the set in."""
+        return self._set.load()
+
+    def use(self, loaded: object) -> None:
+        assert isinstance(loaded, _Loaded)
+        self._set.use(loaded)
+
 
 # -- the server name before the handshake ----------------------------------------------------------------
 

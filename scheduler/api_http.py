@@ -13,18 +13,20 @@ platform can call with a token alone; a certificate that does not chain to the C
   wake too, for an operator).
 
 Refusals are one line: 400 with the reason for a bad body or parameter (unknown fields too), 401 without
-credentials, 403 with the wrong ones, 404 for an unknown sandbox, 503 when the store is unavailable, and
-503 with ``Retry-After: 1`` when the store thread has too many operations waiting (``store_thread.Busy``).
+credentials, 403 with the wrong ones (each 401 and 403 counted and logged, one warning line with the reason,
+the caller's address and SANs and what it asked, never the token), 404 for an unknown sandbox, 503 when
+the store is unavailable, and 503 with ``Retry-After: 1`` when the store thread has too many operations
+waiting (``store_thread.Busy``).
 Every store call is awaited on the service's store threads, never made on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
+import logging
 import math
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -44,6 +46,8 @@ MAX_WAKE_WAIT_S = 30.0
 DEFAULT_WAKE_WAIT_S = 10.0
 SSE_HEARTBEAT_S = 15.0
 DRIVER_EVENTS = ("stopping", "stopped", "ready", "failed")
+
+log = logging.getLogger("sbxnet.scheduler")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -107,11 +111,36 @@ class Api:
         self.route_cache_s = route_cache_s
         self.negative_cache_s = negative_cache_s
         self.refused: dict[str, int] = {}  # 401/403 by reason
+        self._closing = asyncio.Event()  # set at SIGTERM: event streams end at once
+
+    def set_admin_hash(self, admin_token_sha256: str) -> None:
+        """Take a new admin token's SHA-256 (SIGHUP read the token file again); calls from now on need it."""
+        self._admin = bytes.fromhex(admin_token_sha256)
+
+    def close_streams(self) -> None:
+        """End every event stream now (the process is stopping): each handler returns, so the server's
+        shutdown does not wait out its timeout for streams that never end by themselves."""
+        self._closing.set()
 
     # -- who is calling -------------------------------------------------------------------------
 
     def _count(self, reason: str) -> None:
         self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    def _refuse(self, request: web.Request, reason: str, status: int, sans: list[str] | None) -> None:
+        """Count a refused caller and log it, one line: who (address, certificate SANs), what it asked, why;
+        never the token."""
+        self._count(reason)
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        hint = {
+            "wrong_token": "the bearer token's SHA-256 is not admin_token_sha256 (a token file is read without its "
+                           "trailing newline: `sbxnet certs token --hash FILE` prints the hash to configure)",
+            "no_credentials": "no bearer token" + (" and no certificate" if sans is None else ""),
+            "san_not_allowed": "the client certificate's SANs are not on gateway_san_allow",
+        }[reason]
+        log.warning(f"refused {request.method} {request.path}: {hint}", extra={
+            "event": "refused", "reason": reason, "peer": f"{peer[0]}:{peer[1]}" if peer else None,
+            "fields": {"status": status, "method": request.method, "path": request.path, "sans": sans}})
 
     def _is_admin(self, request: web.Request) -> bool | None:
         """True: the admin token; False: a wrong one; None: no bearer token at all."""
@@ -136,14 +165,14 @@ class Api:
         if admin:
             return
         if admin is None and sans is not None and gateway:
-            self._count("san_not_allowed")
+            self._refuse(request, "san_not_allowed", 403, sans)
             raise _Refused(web.Response(status=403, text="this certificate is not a gateway's\n"))
         if admin is None:
-            self._count("no_credentials")
+            self._refuse(request, "no_credentials", 401, sans)
             raise _Refused(web.Response(status=401, text="authentication required: a bearer token"
                                         + (" or a gateway certificate" if gateway else "") + "\n",
                                         headers={"WWW-Authenticate": "Bearer"}))
-        self._count("wrong_token")
+        self._refuse(request, "wrong_token", 403, sans)
         raise _Refused(web.Response(status=403, text="wrong token\n"))
 
     @staticmethod
@@ -239,7 +268,7 @@ class Api:
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events from the store's log: ``id`` is the event's id, so a client that reconnects
         with ``Last-Event-ID`` (or ``?after=``) misses nothing. Without one the stream starts at the log's
-        beginning."""
+        beginning. It ends when the process stops (``close_streams``), at once."""
         self._require(request, gateway=False)
         raw = request.headers.get("Last-Event-ID") or request.query.get("after") or "0"
         try:
@@ -257,7 +286,7 @@ class Api:
     async def _stream_events(self, resp: web.StreamResponse, after: int) -> None:
         loop = asyncio.get_running_loop()
         beat = loop.time() + SSE_HEARTBEAT_S
-        while True:
+        while not self._closing.is_set():
             news = self.service.new_events()
             try:
                 batch = await self.service.read(_events_after, after, bounded=False)
@@ -272,9 +301,15 @@ class Api:
             if loop.time() >= beat:
                 await resp.write(b": keep-alive\n\n")
                 beat = loop.time() + SSE_HEARTBEAT_S
-            with contextlib.suppress(TimeoutError):
-                # Local news wakes it at once; events another replica wrote arrive on the next poll.
-                await asyncio.wait_for(news.wait(), 1.0)
+            # Local news wakes it at once; events another replica wrote arrive on the next poll; a stop
+            # ends it at once.
+            waits = [asyncio.ensure_future(news.wait()), asyncio.ensure_future(self._closing.wait())]
+            try:
+                await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
 
     # -- the application ------------------------------------------------------------------------
 

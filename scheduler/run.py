@@ -1,7 +1,11 @@
 """Running a scheduler process: logging, the store, the event loop, signals, the ops endpoints.
 
-SIGTERM and SIGINT stop it: the listener closes, requests in flight finish (aiohttp's shutdown), the
-timer loop and the webhook sender stop, the store is closed.
+SIGTERM and SIGINT stop it: event streams end at once, the listener closes, requests in flight finish
+(aiohttp's shutdown), the timer loop and the webhook sender stop, the store is closed. SIGHUP reloads
+what can change safely, all or nothing with one line naming the file that failed (``sbxnet.reload``):
+the server certificate, its key and the client CA (new handshakes use them; ``ServerTls``), the admin
+token file and the webhook secret file. The database, the listener and the webhook's URL and CA are
+read at start.
 
 The store is opened, used and closed on the service's store thread (``store_thread.StoreThread``), and a
 second connection to it for the reads that must not wait behind a write (route lookups, status on a
@@ -16,13 +20,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import signal
 import ssl
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from sbxnet.reload import Part, ReloadError, reload, wire_signals
 from scheduler.settings import SchedulerSettings
 from scheduler.store import Store
 from scheduler.store_thread import StoreThread
+
+if TYPE_CHECKING:
+    from scheduler.webhook import WebhookSender
 
 log = logging.getLogger("sbxnet.scheduler")
 
@@ -40,6 +50,49 @@ def open_store(settings: SchedulerSettings) -> Store:
     return PgStore(settings.database)
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_store(settings: SchedulerSettings) -> str:
+    """``--check``'s look at the store, changing nothing on disk or in the database: an SQLite file that
+    exists must be an SQLite database this process may write (its header is read, nothing opened), one
+    that does not must be creatable (its nearest existing directory writable); a PostgreSQL server must
+    accept a connection (``SELECT 1``, no schema made). Returns what it found; raises StoreError."""
+    import os
+
+    from scheduler.store import StoreError
+
+    path = settings.sqlite_path
+    if path is None:
+        import psycopg
+
+        try:
+            with psycopg.connect(settings.database, connect_timeout=5, autocommit=True) as conn:
+                conn.execute("SELECT 1")
+        except psycopg.Error as e:
+            raise StoreError("open", f"cannot connect to the database: {str(e).strip()}") from None
+        return "the database answers"
+    if path.exists():
+        if not path.is_file():
+            raise StoreError("open", f"{path} is not a file")
+        try:
+            with path.open("rb") as f:
+                head = f.read(len(SQLITE_HEADER))
+        except OSError as e:
+            raise StoreError("open", f"{path}: {e.strerror}") from None
+        if head and head != SQLITE_HEADER:
+            raise StoreError("open", f"{path} is not an SQLite database")
+        if not os.access(path, os.R_OK | os.W_OK) or not os.access(path.parent, os.W_OK | os.X_OK):
+            raise StoreError("open", f"{path}: this user cannot write it and its directory (WAL files live beside it)")
+        return f"the SQLite database {path} exists"
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise StoreError("open", f"{path} does not exist and cannot be created: {existing} is not a writable directory")
+    return f"the SQLite database {path} will be created at start"
+
+
 def server_tls(settings: SchedulerSettings) -> ssl.SSLContext:
     """TLS 1.3; a client certificate is asked for (gateways, forwarders) but not required (the platform
     calls with a bearer token); one that does not chain to ``ca_file`` fails the handshake."""
@@ -50,29 +103,123 @@ def server_tls(settings: SchedulerSettings) -> ssl.SSLContext:
     return ctx
 
 
+class ServerTls:
+    """The listener's context, never replaced: at each handshake its SNI callback (called with or without
+    a server name) switches the connection to the current context, which SIGHUP reloads."""
+
+    def __init__(self, settings: SchedulerSettings) -> None:
+        from certs.loader import Reloadable
+
+        self.settings = settings
+        self._set = Reloadable(lambda: server_tls(settings))
+        self.context = server_tls(settings)
+        self.context.sni_callback = self._on_hello
+
+    def _on_hello(self, obj: ssl.SSLObject | ssl.SSLSocket, _name: str | None, _ctx: ssl.SSLContext) -> None:
+        obj.context = self._set.current
+
+    def part(self) -> Part:
+        from certs.loader import LOAD_ERRORS, diagnose
+
+        s = self.settings
+
+        def load() -> object:
+            try:
+                return self._set.load()
+            except LOAD_ERRORS as e:
+                why = diagnose(e, certs=[s.cert_file], keys=[s.key_file], cas=[s.ca_file])
+                raise ReloadError(*why, kind=type(e).__name__) from None
+
+        def use(ctx: object) -> None:
+            assert isinstance(ctx, ssl.SSLContext)
+            self._set.use(ctx)
+
+        return Part("certificates", load, use, files=(str(s.cert_file), str(s.key_file), str(s.ca_file)))
+
+
+def _token_part(path: Path, use: Callable[[str], None]) -> Part:
+    from certs.tokens import TokenFileError, read_token_file, token_sha256
+
+    def load() -> object:
+        try:
+            return token_sha256(read_token_file(path))
+        except TokenFileError as e:
+            raise ReloadError(str(path), str(e).replace(f"{path} ", "").replace(f" {path}", ""),
+                              kind="token_file") from None
+
+    return Part("admin token", load, lambda digest: use(str(digest)), files=(str(path),))
+
+
+def read_secret(path: Path) -> bytes:
+    """The webhook's HMAC key: the file's bytes, surrounding whitespace (its trailing newline) removed, as
+    every token file is read; OSError, or ValueError when empty."""
+    secret = path.read_bytes().strip()
+    if not secret:
+        raise ValueError("empty")
+    return secret
+
+
+def webhook_secret(settings: SchedulerSettings) -> bytes | None:
+    """``webhook_secret_file``'s key at start, or ConfigError naming the setting and the file."""
+    path = settings.webhook_secret_file
+    if path is None:
+        return None
+    try:
+        return read_secret(path)
+    except (OSError, ValueError) as e:
+        from sbxnet.errors import ConfigError
+
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise ConfigError(f"config: scheduler.webhook_secret_file: {path}: {why}") from None
+
+
+def _secret_part(path: Path, webhook: WebhookSender) -> Part:
+    def load() -> object:
+        try:
+            return read_secret(path)
+        except OSError as e:
+            raise ReloadError(str(path), e.strerror or str(e), kind="unreadable") from None
+        except ValueError as e:
+            raise ReloadError(str(path), str(e), kind="empty") from None
+
+    def use(secret: object) -> None:
+        assert isinstance(secret, bytes)
+        webhook.secret = secret
+
+    return Part("webhook secret", load, use, files=(str(path),))
+
+
 def serve(settings: SchedulerSettings, *, check_only: bool = False) -> int:
     from sbxnet import jsonlog
 
     jsonlog.setup(settings.log_level)
-    from certs.loader import LOAD_ERRORS
+    from certs.loader import LOAD_ERRORS, diagnose
     from sbxnet.errors import SbxnetError
 
     try:
         server_tls(settings)
-        settings.admin_hash()
-        store = open_store(settings)
     except LOAD_ERRORS as e:
-        print(f"scheduler: cannot load the TLS material ({e}); check cert_file, key_file and ca_file",
+        file, why = diagnose(e, certs=[settings.cert_file], keys=[settings.key_file], cas=[settings.ca_file])
+        print(f"scheduler: cannot load the TLS material: {file}: {why} (cert_file, key_file, ca_file)",
               file=sys.stderr)
         return 2
+    try:
+        settings.admin_hash()
+        webhook_secret(settings)
+        if check_only:
+            found = check_store(settings)
+        else:
+            open_store(settings).close()  # it opens (creating it if new); then again on its own thread
+    except OSError as e:  # the SQLite database's directory could not be made
+        print(f"scheduler: cannot open the store: {e}", file=sys.stderr)
+        return 1
     except SbxnetError as e:
-        print(f"scheduler: {e.detail or e}", file=sys.stderr)
+        # a settings error reads as the loader's do ("config: <table>.<field>: ..."); others are the scheduler's
+        print(str(e) if e.reason == "config" else f"scheduler: {e.detail or e}", file=sys.stderr)
         return 2 if e.reason.startswith("config") else 1
     if check_only:
-        store.close()
-        print("scheduler: settings, certificates and the store are valid")
+        print(f"scheduler: settings and certificates are valid; {found}")
         return 0
-    store.close()  # checked; it is opened again on its own thread
     import uvloop
 
     return uvloop.run(_main(settings))
@@ -136,14 +283,15 @@ async def _serve(settings: SchedulerSettings, worker: StoreThread, store: Store,
               route_cache_s=settings.route_cache_s, negative_cache_s=settings.negative_cache_s)
     webhook = None
     if settings.webhook_url is not None:
-        secret = settings.webhook_secret_file.read_bytes().strip() if settings.webhook_secret_file else None
+        secret = webhook_secret(settings)
         wctx = ssl.create_default_context(cafile=str(settings.webhook_ca_file) if settings.webhook_ca_file else None)
         webhook = WebhookSender(store, settings.webhook_url, news=service.new_events, worker=worker, secret=secret,
                                 ssl_context=wctx)
     runner = web.AppRunner(api.app(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
+    tls = ServerTls(settings)
     try:
-        site = web.TCPSite(runner, str(settings.listen_host), settings.listen_port, ssl_context=server_tls(settings),
+        site = web.TCPSite(runner, str(settings.listen_host), settings.listen_port, ssl_context=tls.context,
                            reuse_address=True)
         await site.start()
     except OSError as e:
@@ -169,15 +317,20 @@ async def _serve(settings: SchedulerSettings, worker: StoreThread, store: Store,
     server = site._server
     sockets = getattr(server, "sockets", None) or []
     port = sockets[0].getsockname()[1] if sockets else settings.listen_port
+    # The signals before the listening line: from then on a SIGHUP reloads and a SIGTERM stops.
+    parts = [tls.part()]
+    if settings.admin_token_file is not None:
+        parts.append(_token_part(settings.admin_token_file, api.set_admin_hash))
+    if webhook is not None and settings.webhook_secret_file is not None:
+        parts.append(_secret_part(settings.webhook_secret_file, webhook))
+    stop = asyncio.Event()
+    wire_signals(stop, lambda: reload(log, parts))
     log.info("scheduler listening", extra={"event": "listening", "fields": {
         "address": f"{settings.listen_host}:{port}", "database": settings.database.split("@")[-1],
         "sandboxes": len(service.core), "driver": "webhook" if webhook else "none (wakes complete at once)"}})
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
     await stop.wait()
     log.info("stopping", extra={"event": "stopping"})
+    api.close_streams()
     await runner.cleanup()
     await service.stop()
     if webhook is not None:

@@ -33,7 +33,8 @@ class SchedulerSettings(BaseSettings):
     forwarder_san_allow: Annotated[list[str], NoDecode] = Field(
         min_length=1, description="URI/DNS SANs of forwarder certificates allowed to post the idle feed"
     )
-    admin_token_sha256: str | None = Field(None, description="hex SHA-256 of the platform's bearer token")
+    admin_token_sha256: str | None = Field(
+        None, description="hex SHA-256 of the platform's bearer token (`sbxnet certs token` prints it)")
     admin_token_file: FilePath | None = Field(None, description="a file holding the token itself (one line)")
 
     database: str = Field(
@@ -62,7 +63,7 @@ class SchedulerSettings(BaseSettings):
     @classmethod
     def _hash(cls, value: str | None) -> str | None:
         if value is not None and not _HEX64.fullmatch(value):
-            raise ValueError("64 lower-case hex digits (sha256sum of the token)")
+            raise ValueError("64 lower-case hex digits (`sbxnet certs token --hash FILE` prints it)")
         return value
 
     @field_validator("database")
@@ -98,15 +99,16 @@ class SchedulerSettings(BaseSettings):
         return Path(self.database.removeprefix("sqlite://")) if self.database.startswith("sqlite:") else None
 
     def admin_hash(self) -> str:
-        """The admin token's SHA-256 (read from the file if that is how it was given)."""
-        import hashlib
+        """The admin token's SHA-256 (read from the file if that is how it was given: the token without its
+        trailing newline, as ``certs.tokens`` reads every token file)."""
+        from certs.tokens import TokenFileError, read_token_file, token_sha256
 
         if self.admin_token_sha256 is not None:
             return self.admin_token_sha256
         assert self.admin_token_file is not None
-        token = self.admin_token_file.read_text().strip()
-        if not token:
+        try:
+            return token_sha256(read_token_file(self.admin_token_file))
+        except TokenFileError as e:
             from sbxnet.errors import ConfigError
 
-            raise ConfigError(f"config: admin_token_file {str(self.admin_token_file)!r} is empty")
-        return hashlib.sha256(token.encode()).hexdigest()
+            raise ConfigError(f"config: scheduler.admin_token_file: {e}") from None

@@ -1,7 +1,8 @@
 """Running a forwarder process: logging, the event loop, signals, the ops endpoints.
 
 SIGTERM and SIGINT drain (stop accepting, let live connections finish up to ``drain_timeout``);
-SIGHUP reloads certificates without touching live connections. With ``workers`` > 1 the supervisor
+SIGHUP reloads the link's certificates and the feed's, all or nothing (``sbxnet.reload``: one line per
+SIGHUP, naming the file that failed), without touching live connections. With ``workers`` > 1 the supervisor
 in ``forwarder.ingress.workers`` starts that many of these processes on one port (SO_REUSEPORT).
 
 With ``feed_url`` set, each process runs the idle feed's reporter (``feed_reporter.py``) over its own
@@ -15,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
+import ssl
 import sys
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from certs import loader
 from forwarder.ingress.settings import ForwarderSettings
 from sbxnet import jsonlog
+from sbxnet.reload import Part, ReloadError, reload, wire_signals
 
 if TYPE_CHECKING:
     from forwarder.ingress.feed_reporter import FeedReporter
@@ -49,7 +51,9 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False, takeover: bo
 
         server_context(settings)
     except loader.LOAD_ERRORS as e:
-        print(f"forwarder: cannot load the TLS material ({e}); check cert_file, key_file and ca_file", file=sys.stderr)
+        file, why = loader.diagnose(e, certs=[settings.cert_file], keys=[settings.key_file], cas=[settings.ca_file])
+        print(f"forwarder: cannot load the TLS material: {file}: {why} (cert_file, key_file, ca_file)",
+              file=sys.stderr)
         return 2
     if settings.feed_url is not None:
         from forwarder.ingress.feed_reporter import feed_ssl_context
@@ -58,9 +62,11 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False, takeover: bo
         try:
             feed_ssl_context(settings)
         except loader.LOAD_ERRORS as e:
+            cert, key, ca = settings.feed_files
+            file, why = loader.diagnose(e, certs=[cert], keys=[key], cas=[ca])
             print(
-                f"forwarder: cannot load the feed's TLS material ({e}); check feed_cert_file, feed_key_file and "
-                "feed_ca_file (by default cert_file, key_file and ca_file)",
+                f"forwarder: cannot load the feed's TLS material: {file}: {why} (feed_cert_file, feed_key_file, "
+                "feed_ca_file; by default cert_file, key_file and ca_file)",
                 file=sys.stderr,
             )
             return 2
@@ -136,6 +142,16 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
     from sbxnet.protocol.feed import MAX_STREAM
 
     server = ForwarderServer(settings, reuse_port=reuse_port)
+    # The signals before the listening line (``server.start``): from then on a SIGHUP reloads (the feed's
+    # part joins once its reporter runs) and a SIGTERM drains.
+    parts = [server.reload_part()]
+
+    def on_hup() -> None:
+        failed = reload(log, parts)
+        server.metrics.reloads.labels("failed" if failed else "ok").inc()
+
+    stop = asyncio.Event()
+    wire_signals(stop, on_hup)
     want_ops = ops and bool(settings.metrics_port)
     control_sock = None
     if settings.takeover_socket is not None and taken is None:
@@ -238,16 +254,8 @@ async def _main(settings: ForwarderSettings, *, reuse_port: bool, ops: bool, str
         assert reporter is not None
         reporter.start()
 
-    def reload() -> None:
-        server.reload()
-        if reporter is not None:
-            _reload_feed(settings, server, reporter)
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, reload)
+    if reporter is not None:
+        parts.append(_feed_part(settings, reporter))
     taken_over = control.taken_over if control is not None else stepped_back
     if not stepped_back.is_set():
         await _first(stop.wait(), taken_over.wait())
@@ -287,17 +295,20 @@ async def _first(*aws: Coroutine[Any, Any, Any]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _reload_feed(settings: ForwarderSettings, server: ForwarderServer, reporter: FeedReporter) -> None:
+def _feed_part(settings: ForwarderSettings, reporter: FeedReporter) -> Part:
+    """SIGHUP's part for the feed's client certificate (``feed_*_file``, by default the link's files)."""
     from forwarder.ingress.feed_reporter import feed_ssl_context
 
-    try:
-        ctx = feed_ssl_context(settings)
-    except loader.LOAD_ERRORS as e:
-        server.metrics.reloads.labels("feed_failed").inc()
-        log.error(
-            "feed certificate reload failed; keeping the current ones",
-            extra={"event": "feed_reload_failed", "reason": type(e).__name__, "fields": {"error": str(e)}},
-        )
-        return
-    reporter.set_ssl_context(ctx)
-    server.metrics.reloads.labels("feed_ok").inc()
+    cert, key, ca = settings.feed_files
+
+    def load() -> object:
+        try:
+            return feed_ssl_context(settings)
+        except loader.LOAD_ERRORS as e:
+            raise ReloadError(*loader.diagnose(e, certs=[cert], keys=[key], cas=[ca]), kind=type(e).__name__) from None
+
+    def use(ctx: object) -> None:
+        assert isinstance(ctx, ssl.SSLContext)
+        reporter.set_ssl_context(ctx)
+
+    return Part("feed certificates", load, use, files=(str(cert), str(key), str(ca)))

@@ -15,9 +15,11 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import time
 from typing import TYPE_CHECKING
 
+from certs import loader
 from certs.loader import Reloadable
 from forwarder.ingress.host_addrs import IPAddress, host_addresses
 from forwarder.ingress.metering import ConnMeter, Meter
@@ -30,6 +32,7 @@ from forwarder.ingress.target_guard import TargetPolicy
 from forwarder.ingress.tls_context import server_context
 from sbxnet.accept import Acceptor
 from sbxnet.listen import bind_listener
+from sbxnet.reload import Part, ReloadError
 
 if TYPE_CHECKING:
     from forwarder.ingress.planes.ktls import KtlsPlane
@@ -134,20 +137,23 @@ class ForwarderServer:
             },
         )
 
-    def reload(self) -> bool:
-        """Swap in freshly loaded certificates; keep the old ones if loading fails. Live connections
-        keep the context they were accepted with."""
-        e = self.tls.reload()
-        if e is not None:
-            self.metrics.reloads.labels("failed").inc()
-            log.error(
-                "certificate reload failed; keeping the current certificates",
-                extra={"event": "reload_failed", "reason": type(e).__name__, "fields": {"error": str(e)}},
-            )
-            return False
-        self.metrics.reloads.labels("ok").inc()
-        log.info("certificates reloaded", extra={"event": "reloaded"})
-        return True
+    def reload_part(self) -> Part:
+        """SIGHUP's part for the link's certificates (``sbxnet.reload``): ``cert_file``, ``key_file`` and
+        ``ca_file`` loaded again; live connections keep the context they were accepted with."""
+        s = self.settings
+
+        def load() -> object:
+            try:
+                return self.tls.load()
+            except loader.LOAD_ERRORS as e:
+                why = loader.diagnose(e, certs=[s.cert_file], keys=[s.key_file], cas=[s.ca_file])
+                raise ReloadError(*why, kind=type(e).__name__) from None
+
+        def use(ctx: object) -> None:
+            assert isinstance(ctx, ssl.SSLContext)
+            self.tls.use(ctx)
+
+        return Part("certificates", load, use, files=(str(s.cert_file), str(s.key_file), str(s.ca_file)))
 
     @property
     def listener(self) -> socket.socket | None:

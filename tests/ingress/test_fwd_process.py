@@ -325,8 +325,9 @@ def test_sighup_reloads_certificates_without_dropping_live_connections(
     live.close()
     code, err = proc.stop()
     assert code == 0
-    assert "certificate reload failed" in err
+    assert "reload failed: certificates from" in err
     assert len(proc.events("reloaded")) == 1 and len(failed) == len(proc.events("reload_failed")) == 1
+    assert failed[0]["file"] == str(key)  # the one that failed, named
 
 
 def environ_of(pid: int) -> dict[str, str]:

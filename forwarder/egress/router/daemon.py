@@ -10,7 +10,8 @@ restored at start. A guest's frames go
 exit; datagrams go ``VxlanSocket.recv_columns`` → ``InboundPath.run`` → the guest's stream, ARP answered.
 A tick each second closes stalled guests and sends each claim's gratuitous ARP every
 ``garp_interval`` (and once on arm, and for every claim at SIGHUP or the control API's announce, after
-an exit reloads). SIGTERM/SIGINT stop it; the last log line has every counter.
+an exit reloads). SIGTERM/SIGINT stop it; the last log line has every counter. SIGHUP is also the shell's
+reload (``sbxnet.reload``), which finds no file to reload here: one ``reloaded`` line says so.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import contextlib
 import ipaddress
 import logging
 import os
-import signal
 import stat
 import sys
 import time
@@ -44,6 +44,7 @@ from forwarder.egress.router.settings import EgressSettings
 from forwarder.egress.router.vxlan_socket import SLOT, VxlanSocket, source_host, source_key
 from forwarder.egress.vnet import TUN_F_CSUM, TUN_F_TSO4
 from forwarder.egress.vxlan import push_vxlan
+from sbxnet.reload import reload, wire_signals
 
 if TYPE_CHECKING:
     from sbxnet.ops_http import OpsServer
@@ -484,13 +485,18 @@ async def _main(settings: EgressSettings, claims: list[ClaimRequest]) -> int:
         if ops is not None:
             await ops.close()
         return 1
+    stop = asyncio.Event()
+
+    def on_hup() -> None:
+        # The shell's reload: the router reads no certificate or token file (its settings and claims are
+        # read at start; claims change through the control API), so the one outcome line says nothing
+        # was reloaded. And SIGHUP keeps its own meaning: the exits reloaded, so every claim is announced.
+        reload(log, [])
+        router.announce()
+
+    wire_signals(stop, on_hup)
     log.info("egress router up", extra={"event": "egress_listening", "fields": {
         "address": f"{settings.listen}:{settings.port}", "claims": len(claims)}})
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, router.announce)  # the exits reloaded: announce every claim
     await stop.wait()
     if control is not None:
         await control.stop()
