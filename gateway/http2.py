@@ -3,7 +3,8 @@
 The h2 library keeps the connection's state (frames, HPACK, both flow-control windows); this module moves
 its bytes and carries each stream to the sandbox's app in the way the port's protocol says.
 
-Per stream, exactly as the HTTP/1.1 front decides a request (``http1.admit``): ``routing.request_target``
+Per stream, exactly as the HTTP/1.1 front decides a request (``http1.admit``): the target's form (400),
+``routing.request_target``
 with ``:authority`` and any Host (400), the route of the stream's own name (404), a wake (503 with
 Retry-After), ``auth.authorize`` against that route (401/403/redirect), then the link (502/503/504).
 Browsers coalesce: they send streams for every name the connection's certificate covers on one connection
@@ -471,8 +472,9 @@ class H2Session:
             return
         hosts = [v for n, v in st.headers if n == b"host"]
         headers = _regular_headers(st.headers)
-        d = await admit(self.gw, self.conn_name, self.peer[0], target=path, hosts=hosts, headers=headers,
-                        authority=pseudo.get(b":authority"), http2=True, cert_names=self.cert_names, rec=st.rec)
+        d = await admit(self.gw, self.conn_name, self.peer[0], method=method, target=path, hosts=hosts,
+                        headers=headers, authority=pseudo.get(b":authority"), http2=True,
+                        cert_names=self.cert_names, rec=st.rec)
         if isinstance(d, Refusal):
             await self.answer(st, d.status, d.message, d.headers, reason=d.reason)
             return

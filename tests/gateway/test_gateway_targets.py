@@ -1,0 +1,225 @@
+"""Request targets, malformed HTTP/2 requests, a WebSocket's ?token= and clients without SNI, end to end:
+real clients (the h2 library over ssl, raw HTTP/1.1 over ssl, the websockets library) -> the gateway -> a
+real forwarder -> real apps.
+
+For every refusal: the answer, one access-log line (or, for a connection error, one ``h2_refused`` line)
+with its reason, no traceback, and nothing of the request upstream: no link opened (no ``link_open`` line,
+``upstream_attempts_total`` unchanged) and the app saw nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import time
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+from gw_support import DOMAIN, GatewayThread, JsonLines, gateway_log
+
+ATTEMPTS = "sbxnet_gateway_upstream_attempts_total"
+
+
+class H2Client:
+    """A blocking HTTP/2 client (h2 over ssl) that sends what it is given, malformed included: its own
+    header validation is off. ``sni`` None: no server name in the ClientHello."""
+
+    def __init__(self, stack: dict[str, Any], sni: str | None, *, port: int | None = None) -> None:
+        ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
+        ctx.set_alpn_protocols(["h2"])
+        if sni is None:
+            ctx.check_hostname = False
+        raw = socket.create_connection(("127.0.0.1", port or stack["gw"].port), timeout=10)
+        self.sock = ctx.wrap_socket(raw, server_hostname=sni)
+        assert self.sock.selected_alpn_protocol() == "h2"
+        config = h2.config.H2Configuration(client_side=True, header_encoding=None, validate_outbound_headers=False,
+                                           normalize_outbound_headers=False, validate_inbound_headers=False)
+        self.conn = h2.connection.H2Connection(config)
+        self.conn.initiate_connection()
+        self.sock.sendall(self.conn.data_to_send())
+        self.out: dict[int, dict[str, Any]] = {}
+        self.goaway: int | None = None
+
+    def send(self, stream_id: int, headers: list[tuple[bytes, bytes]], *, end: bool = True,
+             data: bytes | None = None) -> None:
+        """HEADERS (END_STREAM with ``end`` and no ``data``), then ``data`` ending the stream, in one write."""
+        self.conn.send_headers(stream_id, headers, end_stream=end and data is None)
+        if data is not None:
+            self.conn.send_data(stream_id, data, end_stream=True)
+        self.sock.sendall(self.conn.data_to_send())
+
+    def get(self, stream_id: int, authority: str, path: bytes, method: bytes = b"GET",
+            extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        self.send(stream_id, [(b":method", method), (b":scheme", b"https"), (b":authority", authority.encode()),
+                              (b":path", path), *extra])
+
+    def wait(self, *stream_ids: int) -> dict[int, dict[str, Any]]:
+        """Read until each stream ended or was reset, or the gateway sent GOAWAY and closed."""
+        while not all(self.out.get(s, {}).get("ended") for s in stream_ids):
+            try:
+                data = self.sock.recv(65536)
+            except (ConnectionResetError, ssl.SSLError):
+                data = b""
+            if not data:
+                break
+            for ev in self.conn.receive_data(data):
+                r = self.out.setdefault(getattr(ev, "stream_id", 0), {"body": b""})
+                if isinstance(ev, h2.events.ResponseReceived):
+                    r["headers"] = dict(ev.headers)
+                elif isinstance(ev, h2.events.DataReceived):
+                    r["body"] += ev.data
+                    self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                elif isinstance(ev, h2.events.StreamEnded):
+                    r["ended"] = True
+                elif isinstance(ev, h2.events.StreamReset):
+                    r["ended"], r["reset"] = True, int(ev.error_code or 0)
+                elif isinstance(ev, h2.events.ConnectionTerminated):
+                    self.goaway = int(ev.error_code or 0)
+            self.sock.sendall(self.conn.data_to_send())
+        return self.out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def status(out: dict[int, dict[str, Any]], stream_id: int) -> bytes:
+    return bytes(out[stream_id]["headers"][b":status"])
+
+
+def wait_events(log: JsonLines, event: str, n: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while len(log.events(event)) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return log.events(event)
+
+
+def no_traceback(log: JsonLines) -> None:
+    assert not [t for t in log.text if "Traceback" in t or '"internal"' in t], log.text
+
+
+def https_exchange(stack: dict[str, Any], data: bytes, *, sni: str | None = f"alpha.{DOMAIN}",
+                   port: int | None = None) -> bytes:
+    """``data`` on a fresh HTTP/1.1 connection; everything the gateway sends until it closes."""
+    ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
+    ctx.set_alpn_protocols(["http/1.1"])
+    if sni is None:
+        ctx.check_hostname = False
+    s = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port or stack["gw"].port), timeout=10),
+                        server_hostname=sni)
+    s.sendall(data)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (ConnectionResetError, ssl.SSLError, TimeoutError):
+        pass
+    s.close()
+    return out
+
+
+def responses(raw: bytes) -> list[tuple[int, bytes]]:
+    """Each HTTP/1.1 response in ``raw`` (all with Content-Length): status and body."""
+    got = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = next(int(v) for n, _, v in (line.partition(b":") for line in lines[1:])
+                      if n.strip().lower() == b"content-length")
+        got.append((int(lines[0].split()[1]), rest[:length]))
+        raw = rest[length:]
+    return got
+
+
+# -- point 8: the request target ------------------------------------------------------------------------------
+
+
+def base(path: bytes, authority: str = f"alpha.{DOMAIN}", method: bytes = b"GET") -> list[tuple[bytes, bytes]]:
+    return [(b":method", method), (b":scheme", b"https"), (b":authority", authority.encode()), (b":path", path)]
+
+
+H2_TARGETS = {
+    "no-leading-slash": b"x",
+    "absolute-form-naming-another-sandbox": f"https://beta.{DOMAIN}/x".encode(),
+    "absolute-form-naming-its-own-sandbox": f"https://alpha.{DOMAIN}/x".encode(),
+    "asterisk-on-get": b"*",
+    "fragment": b"/x#frag",
+}
+
+
+@pytest.mark.parametrize("case", sorted(H2_TARGETS))
+def test_an_http2_path_that_is_not_origin_form_is_400_before_any_link(stack: dict[str, Any], case: str) -> None:
+    gw: GatewayThread = stack["gw"]
+    alpha, beta = stack["app"], stack["beta"]
+    before = (len(alpha.requests), len(beta.requests), gw.sample(ATTEMPTS))
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, base(H2_TARGETS[case]))
+            c.get(3, f"alpha.{DOMAIN}", b"/after")  # the connection goes on
+            out = c.wait(1, 3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert status(out, 1) == b"400" and status(out, 3) == b"200"
+    assert json.loads(out[3]["body"])["path"] == "/after"
+    assert [r["path"] for r in alpha.requests[before[0]:]] == ["/after"]
+    assert len(beta.requests) == before[1]
+    assert gw.sample(ATTEMPTS) <= before[2] + 1  # /after's link at most (it may ride a kept one)
+    assert [line["sandbox_id"] for line in log.events("link_open")] in (["alpha"], [])
+    refused = [line for line in lines if line["status"] == 400]
+    assert len(refused) == 1 and refused[0]["reason"] == "bad_target", lines
+    no_traceback(log)
+
+
+def test_options_asterisk_over_http2_reaches_the_app_as_asterisk(stack: dict[str, Any]) -> None:
+    c = H2Client(stack, f"alpha.{DOMAIN}")
+    try:
+        c.send(1, base(b"*", method=b"OPTIONS"))
+        out = c.wait(1)
+    finally:
+        c.close()
+    assert status(out, 1) == b"501"  # the app's own answer (http.server has no do_OPTIONS): it got there
+
+
+H1_TARGETS = {
+    "asterisk-on-get": b"GET * HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
+    "fragment": b"GET /x#frag HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
+    "fragment-in-absolute-form": b"GET https://alpha.sbx.test/x#frag HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
+    "other-scheme": b"GET ftp://alpha.sbx.test/x HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(H1_TARGETS))
+def test_an_http11_target_that_is_not_origin_form_is_400_before_any_link(stack: dict[str, Any], case: str) -> None:
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = (len(alpha.requests), gw.sample(ATTEMPTS))
+    with gateway_log(gw) as log:
+        out = https_exchange(stack, H1_TARGETS[case])
+        lines = wait_events(log, "request", 1)
+    assert out.startswith(b"HTTP/1.1 400"), out[:100]
+    assert len(alpha.requests) == before[0]
+    assert gw.sample(ATTEMPTS) == before[1]
+    assert not log.events("link_open")
+    assert len(lines) == 1 and lines[0]["reason"] in ("bad_target",), lines
+    no_traceback(log)
+
+
+def test_an_http11_absolute_form_target_reaches_the_app_as_origin_form(stack: dict[str, Any]) -> None:
+    alpha = stack["app"]
+    before = len(alpha.requests)
+    port = stack["gw"].port
+    out = https_exchange(stack, b"GET https://alpha.sbx.test/x?y=1 HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n"
+                                b"GET HTTPS://ALPHA.sbx.test:%d?q HTTP/1.1\r\nHost: beta.sbx.test\r\n"
+                                b"Connection: close\r\n\r\n" % port)
+    got = responses(out)
+    assert [s for s, _ in got] == [200, 200], out[:300]
+    assert [json.loads(b)["path"] for _, b in got] == ["/x?y=1", "/?q"]
+    assert [r["path"] for r in alpha.requests[before:]] == ["/x?y=1", "/?q"]
+    # The authority of an absolute-form target is checked like a Host: another name than the SNI is 421.
+    out = https_exchange(stack, b"GET https://beta.sbx.test/x HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 421"), out[:100]
