@@ -19,15 +19,27 @@ optional query (RFC 9112 3.2.1), or ``*`` for OPTIONS (3.2.4); an app that reads
   never part of a request target, RFC 9112 3.2), another scheme, authority-form, bytes outside printable
   ASCII, an empty target.
 
-The method (``check_method``): a token (RFC 9110 9.1, 5.6.2), or ``bad_method``.
+The method (``check_method``): a token (RFC 9110 9.1, 5.6.2), or ``bad_method``. The HTTP/1.1 parser
+allows only token methods already; h2 (4.4) does not check ``:method`` at all.
+
+An HTTP/2 request head that ends its stream (``check_h2_head``): RFC 9113 8.1.1 makes a request
+malformed when its ``content-length`` does not equal the DATA it carries; h2 (4.4) checks that against
+DATA frames, but not for a HEADERS frame with END_STREAM, which carries none: so ``content-length`` must
+then be ``0`` (``content_length_mismatch``). What h2 does check itself (each a connection error it
+answers with GOAWAY PROTOCOL_ERROR before any stream event): upper-case header names, connection-specific
+headers (``connection``, ``keep-alive``, ``proxy-connection``, ``transfer-encoding``, ``upgrade``), ``te``
+other than ``trailers``, a malformed or conflicting ``content-length``, DATA that disagrees with it,
+missing, duplicated, misplaced, unknown or response-only pseudo-headers, an empty ``:path``, bytes a
+header may not carry, ``:authority`` and Host that disagree, pseudo-headers in trailers.
 
 Reason tokens (``RequestRefused.reason``; stable, counted by metrics, answered 400): ``bad_target``,
-``bad_method``.
+``bad_method``, ``content_length_mismatch``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from sbxnet.errors import RemoteProtocolError
 
@@ -75,3 +87,12 @@ def upstream_target(method: bytes, target: bytes, *, scheme: str = "https", http
         origin = b"/" + origin  # no path, or only a query: the path is "/" (RFC 9112 3.2.1)
     return origin
 
+
+def check_h2_head(headers: Sequence[tuple[bytes, bytes]], *, ended: bool) -> None:
+    """What of RFC 9113 8.1.1 an HTTP/2 request head breaks that h2 does not check (the module docstring);
+    ``ended``: END_STREAM came with the HEADERS frame."""
+    for n, v in headers:
+        if n == b":method":
+            check_method(v)
+        elif n == b"content-length" and ended and not (v.isdigit() and int(v) == 0):
+            raise RequestRefused("content_length_mismatch", "content-length on a request with no DATA")

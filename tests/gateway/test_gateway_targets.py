@@ -223,3 +223,91 @@ def test_an_http11_absolute_form_target_reaches_the_app_as_origin_form(stack: di
     # The authority of an absolute-form target is checked like a Host: another name than the SNI is 421.
     out = https_exchange(stack, b"GET https://beta.sbx.test/x HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 421"), out[:100]
+
+
+# -- point 9: malformed HTTP/2 requests ------------------------------------------------------------------------
+
+
+def test_content_length_on_a_request_without_data_is_400_before_any_link(stack: dict[str, Any]) -> None:
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = (len(alpha.requests), gw.sample(ATTEMPTS))
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, [*base(b"/cl", method=b"POST"), (b"content-length", b"30")])
+            c.send(3, [*base(b"/m"), (b"content-length", b"0")])  # zero is what it carries: fine
+            out = c.wait(1, 3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert status(out, 1) == b"400" and status(out, 3) == b"200"
+    assert [r["path"] for r in alpha.requests[before[0]:]] == ["/m"]
+    assert gw.sample(ATTEMPTS) <= before[1] + 1
+    assert sorted((line["status"], line.get("reason")) for line in lines) == [(200, None),
+                                                                               (400, "content_length_mismatch")]
+    no_traceback(log)
+
+
+@pytest.mark.parametrize("method", [b"G T", b"GET\x7f", b"", b"(GET)", b"G" * 65])
+def test_a_method_that_is_not_a_token_is_400_before_any_link(stack: dict[str, Any], method: bytes) -> None:
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = (len(alpha.requests), gw.sample(ATTEMPTS))
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, base(b"/m", method=method))
+            out = c.wait(1)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 1)
+    assert status(out, 1) == b"400"
+    assert len(alpha.requests) == before[0] and gw.sample(ATTEMPTS) == before[1]
+    assert not log.events("link_open")
+    assert [(line["status"], line["reason"]) for line in lines] == [(400, "bad_method")]
+    no_traceback(log)
+
+
+H2_CONNECTION_ERRORS = {
+    "content-length-below-the-data": ([*base(b"/p", method=b"POST"), (b"content-length", b"3")], b"abcdef"),
+    "content-length-above-the-data": ([*base(b"/p", method=b"POST"), (b"content-length", b"10")], b"abc"),
+    "upper-case-name": ([*base(b"/p"), (b"X-Up", b"1")], None),
+    "connection-header": ([*base(b"/p"), (b"connection", b"close")], None),
+    "transfer-encoding": ([*base(b"/p"), (b"transfer-encoding", b"chunked")], None),
+    "te-gzip": ([*base(b"/p"), (b"te", b"gzip")], None),
+    "pseudo-header-after-a-regular-one": ([(b"x", b"1"), *base(b"/p")], None),
+    "unknown-pseudo-header": ([*base(b"/p"), (b":foo", b"1")], None),
+    "no-path": (base(b"/p")[:3], None),
+    "host-against-authority": ([*base(b"/p"), (b"host", f"beta.{DOMAIN}".encode())], None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(H2_CONNECTION_ERRORS))
+def test_a_request_h2_finds_malformed_ends_the_connection_in_one_line_with_nothing_upstream(
+    stack: dict[str, Any], case: str
+) -> None:
+    """What h2 itself refuses (request_rules' docstring) is a connection error: GOAWAY PROTOCOL_ERROR, one
+    ``h2_refused`` line with its reason, counted; the request, sent with its DATA in one write, never
+    became a stream, so nothing went upstream."""
+    gw: GatewayThread = stack["gw"]
+    alpha, beta = stack["app"], stack["beta"]
+    headers, data = H2_CONNECTION_ERRORS[case]
+    reason = "content_length_mismatch" if case.startswith("content-length") else "bad_request"
+    before = (len(alpha.requests), len(beta.requests), gw.sample(ATTEMPTS),
+              gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}))
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, headers, data=data)
+            c.wait(1)
+        finally:
+            c.close()
+        refused = wait_events(log, "h2_refused", 1)
+        time.sleep(0.2)
+    assert c.goaway == 1  # PROTOCOL_ERROR
+    assert [(line["reason"], line["error_code"]) for line in refused] == [(reason, 1)]
+    assert gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}) == before[3] + 1
+    assert (len(alpha.requests), len(beta.requests), gw.sample(ATTEMPTS)) == before[:3]
+    assert not log.events("link_open") and not log.events("request")
+    no_traceback(log)

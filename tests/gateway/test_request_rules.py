@@ -1,5 +1,5 @@
-"""gateway/request_rules.py: the target a sandbox receives (origin-form only) and the method. Tables,
-then properties over arbitrary bytes."""
+"""gateway/request_rules.py: the target a sandbox receives (origin-form only), the method, and the HTTP/2 head
+checks h2 leaves to us. Tables, then properties over arbitrary bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.request_rules import MAX_METHOD, RequestRefused, check_method, upstream_target
+from gateway.request_rules import MAX_METHOD, RequestRefused, check_h2_head, check_method, upstream_target
 
 ACCEPTED: list[tuple[bytes, bytes, bool, bytes]] = [
     # method, target, http2, what goes upstream
@@ -80,6 +80,34 @@ def test_token_methods_pass(method: bytes) -> None:
 def test_other_methods_are_bad_method(method: bytes) -> None:
     with pytest.raises(RequestRefused) as e:
         check_method(method)
+    assert e.value.reason == "bad_method"
+
+
+HEAD = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"a.sandbox.example.com"), (b":path", b"/")]
+
+
+@pytest.mark.parametrize(("extra", "ended", "reason"), [
+    ([(b"content-length", b"30")], True, "content_length_mismatch"),
+    ([(b"content-length", b"1")], True, "content_length_mismatch"),
+    ([(b"content-length", b"0")], True, None),
+    ([(b"content-length", b"00")], True, None),
+    ([(b"content-length", b"30")], False, None),  # h2 holds the DATA to it
+    ([], True, None),
+    ([], False, None),
+])
+def test_an_http2_head_that_ends_its_stream_carries_no_body(extra: list[tuple[bytes, bytes]], ended: bool,
+                                                            reason: str | None) -> None:
+    if reason is None:
+        check_h2_head([*HEAD, *extra], ended=ended)
+        return
+    with pytest.raises(RequestRefused) as e:
+        check_h2_head([*HEAD, *extra], ended=ended)
+    assert e.value.reason == reason
+
+
+def test_an_http2_head_with_a_method_that_is_not_a_token_is_refused() -> None:
+    with pytest.raises(RequestRefused) as e:
+        check_h2_head([(b":method", b"G T"), *HEAD[1:]], ended=True)
     assert e.value.reason == "bad_method"
 
 
