@@ -159,14 +159,15 @@ def _no_route_service() -> Refusal:
 
 async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, method: bytes, target: bytes,
                 hosts: list[bytes], headers: list[tuple[bytes, bytes]], authority: bytes | None = None,
-                http2: bool = False, http10: bool = False, cert_names: tuple[str, ...] = (),
+                http2: bool = False, http10: bool = False, upgrade: bool = False, cert_names: tuple[str, ...] = (),
                 rec: RequestLog | None = None) -> Admitted | Refusal:
     """One request's decision, shared by the HTTP/1.1 and HTTP/2 fronts: the target's form
     (``request_rules.upstream_target``: 400, before anything else; ``Admitted.allow.target`` is origin-form),
     ``routing.request_target`` (400, 421; ``cert_names``, the SANs the connection's certificate has, let an
     HTTP/2 request for another name it covers through), the route of the request's own name
     (``decide_http``: 404), a wake if not active (503), ``auth.authorize`` against that route (401, 403,
-    the ``?token=`` redirect). ``rec`` is told the name asked for (authority, sandbox) and the port routed to."""
+    the ``?token=`` redirect, or for an ``upgrade`` request the ``?token=`` taken as its credential).
+    ``rec`` is told the name asked for (authority, sandbox) and the port routed to."""
     cfg = gw.config
     rec = rec if rec is not None else RequestLog("", "", 0.0)
     try:
@@ -204,7 +205,7 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, method: byte
         fwd = Forward(woken, fwd.sandbox, fwd.port, fwd.protocol, fwd.auth)
     host = cfg.names.host_of(name)
     verdict = authorize(cfg.auth, auth=fwd.auth, token_sha256=fwd.route.token_sha256, target=origin,
-                        headers=headers, client_ip=client_ip, host=host, port=port)
+                        headers=headers, client_ip=client_ip, host=host, port=port, upgrade=upgrade)
     if isinstance(verdict, Deny):
         return Refusal(verdict.status, verdict.message, list(verdict.headers), verdict.reason)
     if isinstance(verdict, Redirect):
@@ -449,7 +450,7 @@ class H1Session:
             return await self._drain_body()
         hosts = [v for n, v in req.headers if n == b"host"]
         d = await admit(self.gw, self.conn_name, self.peer[0], method=req.method, target=req.target, hosts=hosts,
-                        headers=list(req.headers), http10=req.http_version == b"1.0",
+                        headers=list(req.headers), http10=req.http_version == b"1.0", upgrade=req.upgrade,
                         rec=self._rec)
         if isinstance(d, Refusal):
             await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)

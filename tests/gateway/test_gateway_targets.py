@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 import socket
 import ssl
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import h2.config
 import h2.connection
 import h2.events
 import pytest
-from gw_support import DOMAIN, GatewayThread, JsonLines, gateway_log
+from gw_support import DOMAIN, TOKEN, GatewayThread, JsonLines, gateway_log, registration
 
 ATTEMPTS = "sbxnet_gateway_upstream_attempts_total"
 
@@ -311,3 +313,76 @@ def test_a_request_h2_finds_malformed_ends_the_connection_in_one_line_with_nothi
     assert (len(alpha.requests), len(beta.requests), gw.sample(ATTEMPTS)) == before[:3]
     assert not log.events("link_open") and not log.events("request")
     no_traceback(log)
+
+
+# -- point 11: a WebSocket's ?token= -------------------------------------------------------------------------
+
+
+class WsApp:
+    """A WebSocket app (the websockets library's server) that records each handshake's path and headers."""
+
+    def __init__(self) -> None:
+        from websockets.sync.server import serve
+
+        self.seen: list[dict[str, Any]] = []
+
+        def handler(conn: Any) -> None:
+            self.seen.append({"path": conn.request.path, "headers": [[k.lower(), v] for k, v in
+                                                                      conn.request.headers.raw_items()]})
+            for message in conn:
+                conn.send(message)
+
+        self.server = serve(handler, "127.0.0.1", 0)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.port = int(self.server.socket.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ws_token(stack: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayThread, WsApp]]:
+    app = WsApp()
+    routes = tmp_path_factory.mktemp("ws-routes") / "routes.json"
+    routes.write_text(json.dumps({"sandboxes": {
+        "wsec": registration(stack["pki"], stack["fwd"].port, {app.port: ("http", "token")}, default=app.port),
+    }}))
+    gw = GatewayThread(stack["pki"], routes, header_timeout=2.0, idle_timeout=5.0)
+    yield gw, app
+    gw.stop()
+    app.server.shutdown()
+
+
+def ws_connect(stack: dict[str, Any], gw: GatewayThread, path: str) -> Any:
+    from websockets.sync.client import connect
+
+    ctx = ssl.create_default_context(cafile=str(stack["pki"].ca_file))
+    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+    return connect(f"wss://wsec.{DOMAIN}:{gw.port}{path}", sock=sock, ssl=ctx, server_hostname=f"wsec.{DOMAIN}",
+                   proxy=None, open_timeout=10)
+
+
+def test_a_websocket_authenticates_with_its_token_in_the_url(stack: dict[str, Any],
+                                                              ws_token: tuple[GatewayThread, WsApp]) -> None:
+    """What ``new WebSocket("wss://...?token=...")`` sends: a right token opens the session itself (a browser
+    cannot follow a 303 here), and never reaches the app, in the target or anywhere else."""
+    gw, app = ws_token
+    before = len(app.seen)
+    with ws_connect(stack, gw, f"/chat?a=1&token={TOKEN}&b=2") as ws:
+        assert ws.response is not None and ws.response.status_code == 101
+        ws.send("hello")
+        assert ws.recv(timeout=10) == "hello"
+    seen = app.seen[before:]
+    assert [s["path"] for s in seen] == ["/chat?a=1&b=2"]
+    assert TOKEN not in json.dumps(seen)
+
+
+@pytest.mark.parametrize(("path", "code"), [(f"/chat?token={TOKEN}x", 403), ("/chat?token=", 401), ("/chat", 401)])
+def test_a_websocket_with_a_wrong_or_no_token_is_refused_before_any_link(
+    stack: dict[str, Any], ws_token: tuple[GatewayThread, WsApp], path: str, code: int
+) -> None:
+    from websockets.exceptions import InvalidStatus
+
+    gw, app = ws_token
+    before = (len(app.seen), gw.sample(ATTEMPTS))
+    with pytest.raises(InvalidStatus) as e:
+        ws_connect(stack, gw, path)
+    assert e.value.response.status_code == code
+    assert (len(app.seen), gw.sample(ATTEMPTS)) == before
