@@ -164,10 +164,11 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, method: byte
     """One request's decision, shared by the HTTP/1.1 and HTTP/2 fronts: the target's form
     (``request_rules.upstream_target``: 400, before anything else; ``Admitted.allow.target`` is origin-form),
     ``routing.request_target`` (400, 421; ``cert_names``, the SANs the connection's certificate has, let an
-    HTTP/2 request for another name it covers through), the route of the request's own name
-    (``decide_http``: 404), a wake if not active (503), ``auth.authorize`` against that route (401, 403,
-    the ``?token=`` redirect, or for an ``upgrade`` request the ``?token=`` taken as its credential).
-    ``rec`` is told the name asked for (authority, sandbox) and the port routed to."""
+    HTTP/2 request for another name it covers through, and hold a connection without SNI to the names they
+    cover), the route of the request's own name (``decide_http``: 404), a wake if not active (503),
+    ``auth.authorize`` against that route (401, 403, the ``?token=`` redirect, or for an ``upgrade``
+    request the ``?token=`` taken as its credential). ``rec`` is told the name asked for (authority,
+    sandbox) and the port routed to."""
     cfg = gw.config
     rec = rec if rec is not None else RequestLog("", "", 0.0)
     try:
@@ -244,6 +245,8 @@ class H1Session:
         self.conn_name = conn_name
         self.bad_sni = bad_sni
         self.conn_id = conn_id
+        # The names this connection's certificate covers: without SNI, the names its requests may ask for.
+        self.cert_names = gw.config.front.presented_names(client.ssl_object)
         self.h = h1.H1Server(gw.config.max_header_bytes)
         self.up: _Up | None = None
         self._requests = 0
@@ -451,7 +454,7 @@ class H1Session:
         hosts = [v for n, v in req.headers if n == b"host"]
         d = await admit(self.gw, self.conn_name, self.peer[0], method=req.method, target=req.target, hosts=hosts,
                         headers=list(req.headers), http10=req.http_version == b"1.0", upgrade=req.upgrade,
-                        rec=self._rec)
+                        cert_names=self.cert_names, rec=self._rec)
         if isinstance(d, Refusal):
             await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)
             return not d.close and await self._drain_body()

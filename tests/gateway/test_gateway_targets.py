@@ -21,7 +21,10 @@ import h2.config
 import h2.connection
 import h2.events
 import pytest
-from gw_support import DOMAIN, TOKEN, GatewayThread, JsonLines, gateway_log, registration
+from gw_support import DOMAIN, TOKEN, GatewayThread, JsonLines, front_cert, gateway_log, registration
+
+from certs.mint import mint_leaf, write_issued
+from gateway.tls_front import CertPair
 
 ATTEMPTS = "sbxnet_gateway_upstream_attempts_total"
 
@@ -386,3 +389,65 @@ def test_a_websocket_with_a_wrong_or_no_token_is_refused_before_any_link(
         ws_connect(stack, gw, path)
     assert e.value.response.status_code == code
     assert (len(app.seen), gw.sample(ATTEMPTS)) == before
+
+
+# -- point 18: clients without SNI ----------------------------------------------------------------------------
+
+
+def test_an_http11_client_without_sni_is_routed_request_by_request(stack: dict[str, Any]) -> None:
+    out = https_exchange(stack, b"GET /one HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n"
+                                b"GET /two HTTP/1.1\r\nHost: beta.sbx.test\r\n\r\n"
+                                b"GET /three HTTP/1.1\r\nHost: nosuch.sbx.test\r\n\r\n"
+                                b"GET /four HTTP/1.0\r\n\r\n", sni=None)
+    got = responses(out)
+    assert [s for s, _ in got] == [200, 200, 404, 400], out[:400]
+    assert [(json.loads(b)["sandbox"], json.loads(b)["path"]) for _, b in got[:2]] == [("alpha", "/one"),
+                                                                                       ("beta", "/two")]
+
+
+def test_an_http2_client_without_sni_is_routed_stream_by_stream(stack: dict[str, Any]) -> None:
+    c = H2Client(stack, None)
+    try:
+        c.get(1, f"alpha.{DOMAIN}", b"/one")
+        c.get(3, f"beta.{DOMAIN}", b"/two")
+        c.get(5, f"nosuch.{DOMAIN}", b"/")
+        out = c.wait(1, 3, 5)
+    finally:
+        c.close()
+    assert [status(out, i) for i in (1, 3, 5)] == [b"200", b"200", b"404"]
+    assert [json.loads(out[i]["body"])["sandbox"] for i in (1, 3)] == ["alpha", "beta"]
+
+
+@pytest.fixture(scope="module")
+def beta_default(stack: dict[str, Any], pki: Any) -> Iterator[GatewayThread]:
+    """A gateway whose first (default) certificate is for beta's name alone; the wildcard second."""
+    cert, key = write_issued(mint_leaf(pki.ca, "beta-only", dns=(f"beta.{DOMAIN}",)), pki.dir, "beta-default")
+    gw = GatewayThread(pki, stack["routes"], certs=[CertPair(cert, key), front_cert(pki)])
+    yield gw
+    gw.stop()
+
+
+def test_without_sni_a_name_the_default_certificate_does_not_cover_is_421_on_both_fronts(
+    stack: dict[str, Any], beta_default: GatewayThread
+) -> None:
+    gw = beta_default
+    alpha = stack["app"]
+    before = (len(alpha.requests), gw.sample(ATTEMPTS))
+    out = https_exchange(stack, b"GET /h1 HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n", sni=None, port=gw.port)
+    assert out.startswith(b"HTTP/1.1 421"), out[:100]
+    c = H2Client(stack, None, port=gw.port)
+    try:
+        c.get(1, f"alpha.{DOMAIN}", b"/h2")
+        c.get(3, f"beta.{DOMAIN}", b"/covered")
+        o2 = c.wait(1, 3)
+    finally:
+        c.close()
+    assert [status(o2, 1), status(o2, 3)] == [b"421", b"200"]
+    assert json.loads(o2[3]["body"])["sandbox"] == "beta"
+    assert len(alpha.requests) == before[0]
+    assert gw.sample(ATTEMPTS) == before[1] + 1  # beta's link only
+    # With SNI the wildcard is chosen for alpha, and alpha is routed.
+    out = https_exchange(stack, b"GET /sni HTTP/1.1\r\nHost: alpha.sbx.test\r\nConnection: close\r\n\r\n",
+                         port=gw.port)
+    assert out.startswith(b"HTTP/1.1 200"), out[:100]
+
