@@ -180,21 +180,31 @@ def test_an_http2_path_that_is_not_origin_form_is_400_before_any_link(stack: dic
     no_traceback(log)
 
 
-def test_options_asterisk_over_http2_reaches_the_app_as_asterisk(stack: dict[str, Any]) -> None:
-    c = H2Client(stack, f"alpha.{DOMAIN}")
-    try:
-        c.send(1, base(b"*", method=b"OPTIONS"))
-        out = c.wait(1)
-    finally:
-        c.close()
-    assert status(out, 1) == b"501"  # the app's own answer (http.server has no do_OPTIONS): it got there
+def test_options_asterisk_reaches_the_app_on_both_fronts(stack: dict[str, Any]) -> None:
+    gw: GatewayThread = stack["gw"]
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, base(b"*", method=b"OPTIONS"))
+            out = c.wait(1)
+        finally:
+            c.close()
+        raw = https_exchange(stack, b"OPTIONS * HTTP/1.1\r\nHost: alpha.sbx.test\r\nConnection: close\r\n\r\n")
+        wait_events(log, "request", 2)
+    # The app's own answer (http.server has no do_OPTIONS): the request got there, over a link.
+    assert status(out, 1) == b"501"
+    assert raw.startswith(b"HTTP/1.1 501"), raw[:100]
+    assert [line["sandbox_id"] for line in log.events("link_open")] == ["alpha", "alpha"]
 
 
-H1_TARGETS = {
-    "asterisk-on-get": b"GET * HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
-    "fragment": b"GET /x#frag HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
-    "fragment-in-absolute-form": b"GET https://alpha.sbx.test/x#frag HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
-    "other-scheme": b"GET ftp://alpha.sbx.test/x HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
+H1_TARGETS = {  # the request, and the reason it is refused under
+    "asterisk-on-get": (b"GET * HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n", "bad_target"),
+    "asterisk-on-post": (b"POST * HTTP/1.1\r\nHost: alpha.sbx.test\r\nContent-Length: 0\r\n\r\n", "bad_target"),
+    "fragment": (b"GET /x#frag HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n", "bad_target"),
+    "fragment-in-absolute-form": (b"GET https://alpha.sbx.test/x#frag HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n",
+                                  "bad_target"),
+    "other-scheme": (b"GET ftp://alpha.sbx.test/x HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n", "bad_target"),
+    "no-leading-slash": (b"GET x HTTP/1.1\r\nHost: alpha.sbx.test\r\n\r\n", "bad_request"),  # llhttp's own refusal
 }
 
 
@@ -204,13 +214,14 @@ def test_an_http11_target_that_is_not_origin_form_is_400_before_any_link(stack: 
     alpha = stack["app"]
     before = (len(alpha.requests), gw.sample(ATTEMPTS))
     with gateway_log(gw) as log:
-        out = https_exchange(stack, H1_TARGETS[case])
+        request, reason = H1_TARGETS[case]
+        out = https_exchange(stack, request)
         lines = wait_events(log, "request", 1)
     assert out.startswith(b"HTTP/1.1 400"), out[:100]
     assert len(alpha.requests) == before[0]
     assert gw.sample(ATTEMPTS) == before[1]
     assert not log.events("link_open")
-    assert len(lines) == 1 and lines[0]["reason"] in ("bad_target",), lines
+    assert len(lines) == 1 and lines[0]["reason"] == reason, lines
     no_traceback(log)
 
 
