@@ -10,8 +10,10 @@ with its reason, no traceback, and nothing of the request upstream: no link open
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -427,6 +429,25 @@ def test_an_http2_client_without_sni_is_routed_stream_by_stream(stack: dict[str,
         c.close()
     assert [status(out, i) for i in (1, 3, 5)] == [b"200", b"200", b"404"]
     assert [json.loads(out[i]["body"])["sandbox"] for i in (1, 3)] == ["alpha", "beta"]
+
+
+@pytest.mark.parametrize("version", ["--http1.1", "--http2"])
+def test_curl_to_the_gateways_address_sends_no_sni_and_is_routed_by_host(stack: dict[str, Any], version: str) -> None:
+    """curl sends no SNI for an IP address (RFC 6066 3): a real client without SNI, on each front. Its Host
+    header (HTTP/2: its :authority) routes each URL; -k, since no certificate names the address."""
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed (scripts/setup.sh installs it)")
+    port = stack["gw"].port
+    out = []
+    for host in (f"alpha.{DOMAIN}", f"beta.{DOMAIN}"):
+        r = subprocess.run([curl, "-sS", "-k", version, "-H", f"Host: {host}", "-w", "\n%{http_version}",
+                            f"https://127.0.0.1:{port}/by-host"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        body, got_version = r.stdout.rsplit("\n", 1)
+        assert got_version == version.removeprefix("--http")
+        out.append(json.loads(body)["sandbox"])
+    assert out == ["alpha", "beta"]
 
 
 @pytest.fixture(scope="module")
