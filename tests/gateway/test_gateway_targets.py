@@ -331,6 +331,31 @@ def test_a_request_h2_finds_malformed_ends_the_connection_in_one_line_with_nothi
     no_traceback(log)
 
 
+def test_data_beyond_the_content_length_of_a_head_already_upstream_cuts_it_in_its_reason(
+    stack: dict[str, Any]
+) -> None:
+    """The head went up (its link is open) before the DATA that breaks its content-length came: h2's
+    connection error ends it; the stream's own line says why (not ``client_gone``), beside one
+    ``h2_refused`` line, and nothing is logged as internal."""
+    gw: GatewayThread = stack["gw"]
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, [*base(b"/p", method=b"POST"), (b"content-length", b"3")], end=False)
+            assert [line["sandbox_id"] for line in wait_events(log, "link_open", 1)] == ["alpha"]
+            c.conn.send_data(1, b"abcdef", end_stream=True)
+            c.sock.sendall(c.conn.data_to_send())
+            c.wait(1)
+        finally:
+            c.close()
+        refused = wait_events(log, "h2_refused", 1)
+        lines = wait_events(log, "request", 1)
+    assert c.goaway == 1
+    assert [line["reason"] for line in refused] == ["content_length_mismatch"]
+    assert [(line["status"], line["reason"], line["bytes_up"]) for line in lines] == [(0, "content_length_mismatch", 0)]
+    no_traceback(log)
+
+
 # -- point 11: a WebSocket's ?token= -------------------------------------------------------------------------
 
 
