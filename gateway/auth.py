@@ -22,7 +22,8 @@ Where a token may come from (``AuthConfig`` names them):
 Each presented token is hashed (SHA-256) and its hex digest compared with the route's ``token_sha256``
 by ``hmac.compare_digest``. Results: ``Allow``; ``Deny`` 401 when no token came (with
 ``WWW-Authenticate: Bearer``), 403 when none of those that came is right; ``Redirect`` for a right
-``?token=``. Several tokens may come at once (a stale cookie and a fresh header): one right one allows.
+``?token=`` (``Allow`` on an upgrade). Several tokens may come at once (a stale cookie and a fresh
+header): one right one allows.
 
 What goes upstream (``Allow.headers``, ``Allow.target``): the platform's token never does, in any form:
 
