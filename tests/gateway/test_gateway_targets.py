@@ -423,10 +423,17 @@ def test_a_websocket_with_a_wrong_or_no_token_is_refused_before_any_link(
 
     gw, app = ws_token
     before = (len(app.seen), gw.sample(ATTEMPTS))
-    with pytest.raises(InvalidStatus) as e:
-        ws_connect(stack, gw, path)
+    with gateway_log(gw) as log:
+        with pytest.raises(InvalidStatus) as e:
+            ws_connect(stack, gw, path)
+        lines = wait_events(log, "request", 1)
     assert e.value.response.status_code == code
     assert (len(app.seen), gw.sample(ATTEMPTS)) == before
+    reason = "wrong_token" if code == 403 else "missing_token"
+    assert [(line["status"], line["reason"], line["sandbox_id"]) for line in lines] == [(code, reason, "wsec")]
+    assert not log.events("link_open")
+    assert not any(TOKEN in t for t in log.text)
+    no_traceback(log)
 
 
 # -- point 18: clients without SNI ----------------------------------------------------------------------------
