@@ -8,7 +8,10 @@ Where a token may come from (``AuthConfig`` names them):
 - ``Authorization: Bearer <token>``;
 - the platform header (default ``X-Sbx-Token: <token>``);
 - the platform cookie (default ``sbx_token=<token>``), set by the exchange below;
-- ``?token=<token>`` in the target. A browser cannot send headers on a navigation, so the parameter is
+- ``?token=<token>`` in the target. On an upgrade request (a WebSocket handshake: ``new WebSocket(url)``
+  in a browser can neither send headers nor follow a redirect) a right one authenticates the request
+  itself, removed from the target like any ``token`` parameter (no cookie is set). On any other request,
+  since a browser cannot send headers on a navigation, the parameter is
   exchanged: the answer is a redirect (303) to the same URL without the parameter (other parameters kept,
   in order, byte for byte) with ``Set-Cookie: sbx_token=<token>; HttpOnly; Secure; SameSite=Lax; Path=/``,
   which has no ``Domain`` attribute and so belongs to exactly the host that set it; the cookie then
@@ -19,7 +22,8 @@ Where a token may come from (``AuthConfig`` names them):
 Each presented token is hashed (SHA-256) and its hex digest compared with the route's ``token_sha256``
 by ``hmac.compare_digest``. Results: ``Allow``; ``Deny`` 401 when no token came (with
 ``WWW-Authenticate: Bearer``), 403 when none of those that came is right; ``Redirect`` for a right
-``?token=``. Several tokens may come at once (a stale cookie and a fresh header): one right one allows.
+``?token=`` (``Allow`` on an upgrade). Several tokens may come at once (a stale cookie and a fresh
+header): one right one allows.
 
 What goes upstream (``Allow.headers``, ``Allow.target``): the platform's token never does, in any form:
 
@@ -91,7 +95,7 @@ class Allow:
 
     target: bytes
     headers: Headers
-    via: str  # "public", "bearer", "header" or "cookie": how it was let in (for metrics)
+    via: str  # "public", "bearer", "header", "cookie" or "query" (an upgrade's ?token=): how it was let in
 
 
 @dataclass(frozen=True)
@@ -275,13 +279,16 @@ def authorize(
     host: str,
     proto: str = "https",
     port: int | None = None,
+    upgrade: bool = False,
 ) -> Allow | Deny | Redirect:
     """Decide one request on a route whose port has ``auth`` ("public" or "token").
 
     ``host`` is the routed host name (``names.Names.host_of``: validated, canonical); it goes into
     X-Forwarded-Host and the redirect's Location. ``port``: the port the request's authority named, as
     ``routing.requested_port`` validated it (None when it named none, or the scheme's default); the
-    redirect's Location keeps it. ``client_ip`` goes into X-Forwarded-For."""
+    redirect's Location keeps it. ``client_ip`` goes into X-Forwarded-For. ``upgrade``: the request asks
+    for a protocol upgrade (a WebSocket handshake), which cannot follow a redirect: a right ``?token=``
+    authenticates the request itself (``Allow``, via ``query``, the parameter removed)."""
     if not _PRINTABLE.fullmatch(target):
         return Deny(400, "bad_target", "the request target has bytes outside printable ASCII")
     forwarded = forwarded_headers(client_ip, proto, host)
@@ -300,6 +307,9 @@ def authorize(
         good = _any_match(from_query, token_sha256)
         if good is None:
             return Deny(403, "wrong_token", "wrong token")
+        if upgrade:
+            creds = _clean_headers(config, headers, strip_bearer=True)
+            return Allow(_join(path, kept), creds.headers + forwarded, "query")
         if not _COOKIE_OCTETS.fullmatch(good):
             return Deny(400, "token_not_cookie_safe", "this token cannot be carried in a cookie: send it in a header")
         origin = f"{proto}://{host}" if port is None else f"{proto}://{host}:{int(port)}"

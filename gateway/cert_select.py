@@ -4,8 +4,9 @@ Each certificate is known by its DNS SANs (``*.sandbox.example.com`` included). 
 sent: an exact SAN wins over a wildcard; a wildcard covers exactly one left-most label (RFC 6125 6.4.3:
 ``*.example.com`` covers ``a.example.com``, not ``example.com`` or ``a.b.example.com``); among equals the
 first configured wins. No SNI, or no match, gets the first certificate (the default), so a client that
-sends no SNI still completes a handshake and is then answered by routing (421/404), not by a TLS alert
-it cannot explain.
+sends no SNI still completes a handshake and is then answered by routing, not by a TLS alert it cannot
+explain: each of its requests is routed by its own Host / ``:authority`` when the default certificate
+covers that name (``covered``), and answered 421 when it does not (``routing.request_target``).
 
 ``covered`` answers the other question a certificate settles: which names a connection may carry once
 it is made. A client may reuse one HTTP/2 connection for every name the certificate it was shown covers

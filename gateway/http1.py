@@ -6,7 +6,8 @@ Content-Length with Transfer-Encoding, a duplicate Content-Length, obs-fold, con
 Transfer-Encoding but chunked; a head over ``max_header_bytes``: 431) is answered with its status and
 reason token and the connection closed, before anything goes upstream.
 
-Per request: the head within ``header_timeout``; ``routing.request_target`` (400, 421) and the route
+Per request: the head within ``header_timeout``; the target's form (``request_rules.upstream_target``:
+400; the app gets origin-form only) and ``routing.request_target`` (400, 421) and the route
 (``routing.decide_http``: 404), a wake if the sandbox is not active (503 with Retry-After if it does not
 come up), ``auth.authorize`` (401, 403, or the ``?token=`` redirect), then the link to the sandbox's
 forwarder (``upstream.open_upstream``; 502/503/504 from it). Only then does a request byte go upstream,
@@ -52,6 +53,7 @@ from gateway import h1_codec as h1
 from gateway.auth import Allow, Deny, Redirect, authorize
 from gateway.names import Name, NameRefused, Names
 from gateway.relay import close_cleanly, drop_link, relay
+from gateway.request_rules import RequestRefused, upstream_target
 from gateway.route_source import RouteLookupFailed
 from gateway.routing import Answer, Forward, decide_http, request_target, requested_port
 from gateway.upstream import Upstream, UpstreamFailed
@@ -155,17 +157,24 @@ def _no_route_service() -> Refusal:
                    "route_lookup_failed")
 
 
-async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: bytes, hosts: list[bytes],
-                headers: list[tuple[bytes, bytes]], authority: bytes | None = None, http2: bool = False,
-                http10: bool = False, cert_names: tuple[str, ...] = (),
+async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, method: bytes, target: bytes,
+                hosts: list[bytes], headers: list[tuple[bytes, bytes]], authority: bytes | None = None,
+                http2: bool = False, http10: bool = False, upgrade: bool = False, cert_names: tuple[str, ...] = (),
                 rec: RequestLog | None = None) -> Admitted | Refusal:
-    """One request's decision, shared by the HTTP/1.1 and HTTP/2 fronts: ``routing.request_target``
-    (400, 421; ``cert_names``, the SANs the connection's certificate has, let an HTTP/2 request for another
-    name it covers through), the route of the request's own name (``decide_http``: 404), a wake if not
-    active (503), ``auth.authorize`` against that route (401, 403, the ``?token=`` redirect). ``rec`` is
-    told the name asked for (authority, sandbox) and the port routed to."""
+    """One request's decision, shared by the HTTP/1.1 and HTTP/2 fronts: the target's form
+    (``request_rules.upstream_target``: 400, before anything else; ``Admitted.allow.target`` is origin-form),
+    ``routing.request_target`` (400, 421; ``cert_names``, the SANs the connection's certificate has, let an
+    HTTP/2 request for another name it covers through, and hold a connection without SNI to the names they
+    cover), the route of the request's own name (``decide_http``: 404), a wake if not active (503),
+    ``auth.authorize`` against that route (401, 403, the ``?token=`` redirect, or for an ``upgrade``
+    request the ``?token=`` taken as its credential). ``rec`` is told the name asked for (authority,
+    sandbox) and the port routed to."""
     cfg = gw.config
     rec = rec if rec is not None else RequestLog("", "", 0.0)
+    try:
+        origin = upstream_target(method, target, scheme=cfg.names.scheme, http2=http2)
+    except RequestRefused as e:
+        return Refusal(400, f"bad request target ({e.reason})", [], e.reason, close=True)
     t = request_target(cfg.names, conn_name, target=target, hosts=hosts, authority=authority, http2=http2,
                        http10=http10, cert_names=cert_names)
     port = requested_port(cfg.names, target=target, hosts=hosts, authority=authority, http2=http2)
@@ -196,8 +205,8 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: byte
                            "wake_pending")
         fwd = Forward(woken, fwd.sandbox, fwd.port, fwd.protocol, fwd.auth)
     host = cfg.names.host_of(name)
-    verdict = authorize(cfg.auth, auth=fwd.auth, token_sha256=fwd.route.token_sha256, target=target,
-                        headers=headers, client_ip=client_ip, host=host, port=port)
+    verdict = authorize(cfg.auth, auth=fwd.auth, token_sha256=fwd.route.token_sha256, target=origin,
+                        headers=headers, client_ip=client_ip, host=host, port=port, upgrade=upgrade)
     if isinstance(verdict, Deny):
         return Refusal(verdict.status, verdict.message, list(verdict.headers), verdict.reason)
     if isinstance(verdict, Redirect):
@@ -236,6 +245,8 @@ class H1Session:
         self.conn_name = conn_name
         self.bad_sni = bad_sni
         self.conn_id = conn_id
+        # The names this connection's certificate covers: without SNI, the names its requests may ask for.
+        self.cert_names = gw.config.front.presented_names(client.ssl_object)
         self.h = h1.H1Server(gw.config.max_header_bytes)
         self.up: _Up | None = None
         self._requests = 0
@@ -441,8 +452,9 @@ class H1Session:
             await self.answer(421, "this connection's server name is not served here", reason="misdirected")
             return await self._drain_body()
         hosts = [v for n, v in req.headers if n == b"host"]
-        d = await admit(self.gw, self.conn_name, self.peer[0], target=req.target, hosts=hosts,
-                        headers=list(req.headers), http10=req.http_version == b"1.0", rec=self._rec)
+        d = await admit(self.gw, self.conn_name, self.peer[0], method=req.method, target=req.target, hosts=hosts,
+                        headers=list(req.headers), http10=req.http_version == b"1.0", upgrade=req.upgrade,
+                        cert_names=self.cert_names, rec=self._rec)
         if isinstance(d, Refusal):
             await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)
             return not d.close and await self._drain_body()

@@ -3,7 +3,9 @@
 The h2 library keeps the connection's state (frames, HPACK, both flow-control windows); this module moves
 its bytes and carries each stream to the sandbox's app in the way the port's protocol says.
 
-Per stream, exactly as the HTTP/1.1 front decides a request (``http1.admit``): ``routing.request_target``
+Per stream, first what h2 does not check of a malformed request (``request_rules.check_h2_head``: 400),
+then exactly as the HTTP/1.1 front decides a request (``http1.admit``): the target's form (400),
+``routing.request_target``
 with ``:authority`` and any Host (400), the route of the stream's own name (404), a wake (503 with
 Retry-After), ``auth.authorize`` against that route (401/403/redirect), then the link (502/503/504).
 Browsers coalesce: they send streams for every name the connection's certificate covers on one connection
@@ -81,6 +83,7 @@ from gateway import h2c_upstream as h2c
 from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, RequestLog, admit, replayable
 from gateway.names import Name
 from gateway.relay import CLOSE_LINGER, close_cleanly, drop_link
+from gateway.request_rules import RequestRefused, check_h2_head
 from gateway.routing import Forward
 from gateway.upstream import UpstreamFailed
 from sbxnet.errors import LocalProtocolError, RemoteProtocolError
@@ -191,6 +194,7 @@ class H2Session:
         self._cut = False
         self._idle: asyncio.TimerHandle | None = None  # idle_timeout, armed while no stream is open
         self._last_read = 0.0  # loop time of the client's last bytes
+        self._conn_error = ""  # the reason token of a connection error h2 found (the connection is ending)
 
     def drain(self) -> None:
         """The gateway drains: GOAWAY (NO_ERROR, the highest stream taken) now; the streams in flight finish,
@@ -326,8 +330,17 @@ class H2Session:
                 try:
                     events = self.h2.receive_data(data)
                 except h2.exceptions.ProtocolError as e:
-                    self.gw.metrics.refusals.labels("bad_request").inc()
+                    # A connection error h2 found (a malformed request among them: RFC 9113 8.1.1, what
+                    # request_rules' docstring lists): GOAWAY, one line, no traceback. Its text is not
+                    # logged: it may quote a header's value (a token).
+                    reason = ("content_length_mismatch" if isinstance(e, h2.exceptions.InvalidBodyLengthError)
+                              else "bad_request")
+                    self.gw.metrics.refusals.labels(reason).inc()
                     code = getattr(e, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                    log.info("HTTP/2 protocol error: connection closed", extra={
+                        "event": "h2_refused", "reason": reason, "conn_id": self.conn_id,
+                        "fields": {"error_code": int(code), "error": type(e).__name__}})
+                    self._conn_error = reason  # the streams it cuts say so in their lines
                     self._close_connection(code)
                     await self._flush()
                     return
@@ -435,7 +448,7 @@ class H2Session:
             await self._stream(st)
         except (asyncio.CancelledError, _ClientGone, h2.exceptions.StreamClosedError):
             # the client left or reset the stream
-            st.rec.reason = "client_reset" if st.reset_code is not None else "client_gone"
+            st.rec.reason = self._conn_error or ("client_reset" if st.reset_code is not None else "client_gone")
         except Exception:
             log.exception("internal error", extra={"event": "internal", "conn_id": self.conn_id})
             st.rec.reason = "internal_error"
@@ -469,10 +482,16 @@ class H2Session:
         if method == b"CONNECT" or path is None:
             await self.answer(st, 501, "CONNECT is not served over HTTP/2 here", reason="connect_unsupported")
             return
+        try:
+            check_h2_head(st.headers, ended=st.ended)  # what h2 does not check of RFC 9113 8.1.1
+        except RequestRefused as e:
+            await self.answer(st, 400, f"malformed request ({e.reason})", reason=e.reason)
+            return
         hosts = [v for n, v in st.headers if n == b"host"]
         headers = _regular_headers(st.headers)
-        d = await admit(self.gw, self.conn_name, self.peer[0], target=path, hosts=hosts, headers=headers,
-                        authority=pseudo.get(b":authority"), http2=True, cert_names=self.cert_names, rec=st.rec)
+        d = await admit(self.gw, self.conn_name, self.peer[0], method=method, target=path, hosts=hosts,
+                        headers=headers, authority=pseudo.get(b":authority"), http2=True,
+                        cert_names=self.cert_names, rec=st.rec)
         if isinstance(d, Refusal):
             await self.answer(st, d.status, d.message, d.headers, reason=d.reason)
             return

@@ -17,7 +17,9 @@ An HTTP request is routed in two steps:
    name is always 421. Either way the request is decided by its own name, never by the connection's first
    sandbox: the front keys its upstream links by the decision's sandbox and port, never by the client
    connection. Names are compared as parsed, so ``a.<domain>`` and ``<default port>-a.<domain>`` are
-   different names here. A connection without a server name routes each request by its own authority.
+   different names here. A connection without a server name routes each request by its own authority,
+   on either front, when the certificate it was shown (the default one) covers that name, and answers
+   421 when it does not: the client could not have checked that name on this connection.
    ``requested_port`` says which port that authority named (what a redirect back to the client keeps).
 2. ``decide_http`` (after looking up the name's sandbox): 404 for an unknown sandbox or a port the route
    does not expose, 404 for a raw TCP port asked for over HTTP, otherwise ``Forward``.
@@ -109,7 +111,8 @@ def request_target(
     ``conn`` is the connection's parsed server name (None: the client sent none). An HTTP/1.0 request
     without Host is routed by ``conn``; without either it is refused (``missing_host``). ``cert_names``:
     the DNS SANs of the certificate the connection presented; an HTTP/2 request for another name than
-    ``conn`` is routed by its own name if they cover it, 421 if not."""
+    ``conn`` is routed by its own name if they cover it, 421 if not; without ``conn``, any request (either
+    front) likewise. Empty ``cert_names`` (no certificate known): nothing is held to them."""
     try:
         name = names.request_name(target, hosts, authority=authority, http2=http2, http10=http10)
     except NameRefused as e:
@@ -118,7 +121,13 @@ def request_target(
         if conn is None:
             return Answer(400, "missing_host", "bad request authority (missing_host)")
         return conn
-    if conn is not None and name != conn and not (http2 and _presented_for(names, name, cert_names)):
+    if conn is None:
+        # No SNI: the connection was shown the default certificate; a name it does not cover is not one
+        # this connection can carry (the client could not have checked it), on either front.
+        if cert_names and not _presented_for(names, name, cert_names):
+            return Answer(421, "misdirected", "this connection's certificate does not cover this name")
+        return name
+    if name != conn and not (http2 and _presented_for(names, name, cert_names)):
         return Answer(421, "misdirected", "this connection serves another name: open a new connection")
     return name
 

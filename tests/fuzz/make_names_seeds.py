@@ -29,7 +29,35 @@ from names_cases import (  # noqa: E402
 from seed_dir import write_seeds  # noqa: E402
 
 OUT = HERE.parent / "seeds" / "names"
-HOST, SNI, AUTHORITY, TARGET, H1, H2 = range(6)
+HOST, SNI, AUTHORITY, TARGET, H1, H2, H1_TARGET, H2_PATH = range(8)
+# What a sandbox may receive as a request target (gateway/request_rules.py, issue 22 point 8): origin-form
+# only, * for OPTIONS; absolute-form over HTTP/1.1 rewritten. Nothing of a refused one goes upstream.
+UPSTREAM_TARGETS: list[tuple[str, int, bytes]] = [
+    ("ok", H1_TARGET, b"GET /x?y=1"),
+    ("ok", H2_PATH, b"GET /x?y=1"),
+    ("ok", H1_TARGET, b"GET //evil.example/x"),
+    ("ok", H1_TARGET, b"OPTIONS *"),
+    ("ok", H2_PATH, b"OPTIONS *"),
+    ("ok", H1_TARGET, b"GET https://a.sandbox.example.com/x?y"),
+    ("ok", H1_TARGET, b"GET HTTPS://B.sandbox.example.com:8443?q"),
+    ("ok", H1_TARGET, b"GET https://a.sandbox.example.com"),
+    ("bad_target", H1_TARGET, b"GET *"),
+    ("bad_target", H2_PATH, b"GET *"),
+    ("bad_target", H2_PATH, b"POST *"),
+    ("bad_target", H2_PATH, b"GET x"),
+    ("bad_target", H1_TARGET, b"GET x"),
+    ("bad_target", H2_PATH, b"GET https://b.sandbox.example.com/x"),
+    ("bad_target", H2_PATH, b"GET https://a.sandbox.example.com/"),
+    ("bad_target", H1_TARGET, b"GET /x#frag"),
+    ("bad_target", H2_PATH, b"GET /x#frag"),
+    ("bad_target", H1_TARGET, b"GET https://a.sandbox.example.com/x#frag"),
+    ("bad_target", H1_TARGET, b"GET http://a.sandbox.example.com/"),
+    ("bad_target", H1_TARGET, b"GET https:///x"),
+    ("bad_target", H1_TARGET, b"CONNECT a.sandbox.example.com:443"),
+    ("bad_target", H2_PATH, b"GET /a\r\nX-Injected: 1"),
+    ("bad_target", H2_PATH, b"GET /\xc3\xa9"),
+    ("bad_target", H1_TARGET, b"GET "),
+]
 
 
 def _what(text: str) -> str:
@@ -69,6 +97,9 @@ def seeds() -> dict[str, bytes]:
     add("ok", "h2-authority-and-same-host", H2, b"a.sandbox.example.com:443\nA.SANDBOX.EXAMPLE.COM.")
     add("host_mismatch", "h2-authority-and-other-host", H2, b"a.sandbox.example.com\nb.sandbox.example.com")
     add("bad_char", "h2-authority-with-nul", H2, b"a\x00.sandbox.example.com")
+    for expected, which, data in UPSTREAM_TARGETS:
+        front = "h1-target" if which == H1_TARGET else "h2-path"
+        add(expected, f"{front}_" + _what(data.decode("latin-1").replace(".", "_")), which, data)
     add("too_long", "host-huge", HOST, b"a" * 300)
     add("bad_char", "host-high-bytes", HOST, bytes(range(0x80, 0x90)))
     return out

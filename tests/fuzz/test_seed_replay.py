@@ -22,6 +22,7 @@ import fuzz_feed
 import fuzz_feed_text
 import fuzz_h1_codec
 import fuzz_h2_frames
+import fuzz_h2_requests
 import fuzz_names
 import fuzz_preamble
 import fuzz_reply
@@ -82,6 +83,14 @@ H1_CODEC_CASES = ("content_length_with_transfer_encoding-*", "duplicate_content_
                   "bad_request-no-host", "header_too_large-*", "upgrade_with_body-*", "truncated-*",
                   "bad_response-*", "ok-pipelined-*", "ok-websocket-upgrade-then-bytes", "ok-head-response-*",
                   "ok-switch-101-then-bytes", "ok-response-ends-by-close", "ok-post-chunked-with-trailers")
+# What of a client's HTTP/2 requests reaches a sandbox (tests/fuzz/make_h2_requests_seeds.py, issue 22 points
+# 8 and 9): targets that are not origin-form, the malformed heads h2 lets through, those it refuses itself,
+# and a content-length the DATA breaks after the head went up.
+H2_REQUESTS_CASES = ("ok-get", "ok-options-asterisk", "bad_target-absolute-form-another-sandbox",
+                     "bad_target-path-without-slash", "bad_target-asterisk-on-get", "bad_target-fragment",
+                     "content_length_mismatch-30-on-end-stream", "bad_method-*", "protocol_error-upper-case-name",
+                     "protocol_error-connection", "protocol_error-te-gzip", "protocol_error-transfer-encoding",
+                     "protocol_error-pseudo-header-*", "cut-content-length-*")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),
@@ -93,8 +102,10 @@ CORPORA = (
     Corpus("arp", fuzz_arp, 10, named_outcome=True),
     Corpus("feed", fuzz_feed, 20, FEED_CASES, named_outcome=True),
     Corpus("feed_text", fuzz_feed_text, 10, ("digits-of-every-length", "int64-bounds", "ages-ties", "ages-nan")),
-    Corpus("names", fuzz_names, 20, ("ok-h2-authority-only", "host_mismatch-*", "wrong_port-*"), named_outcome=True),
+    Corpus("names", fuzz_names, 20, ("ok-h2-authority-only", "host_mismatch-*", "wrong_port-*", "bad_target-h2-path_*",
+                                      "bad_target-h1-target_*", "ok-h1-target_*"), named_outcome=True),
     Corpus("h2_frames", fuzz_h2_frames, 20, H2_FRAMES_CASES, named_outcome=True),
+    Corpus("h2_requests", fuzz_h2_requests, 30, H2_REQUESTS_CASES, named_outcome=True),
     Corpus("routes", fuzz_routes, 100, ROUTES_CASES, named_outcome=True),
     Corpus("control_body", fuzz_control_body, 40, CONTROL_BODY_CASES, named_outcome=True),
     Corpus("reply", fuzz_reply, 20, REPLY_CASES, named_outcome=True),

@@ -347,3 +347,44 @@ def test_any_head_gets_a_decision_and_never_an_exception(headers: Headers, targe
         assert isinstance(got, Allow | Deny | Redirect)
         if isinstance(got, Allow):
             assert got.headers[-3:] == FWD
+
+
+# -- an upgrade's ?token= (a browser's WebSocket cannot follow the redirect) ------------------------------------
+
+
+def upgrade(headers: Headers, target: bytes) -> Allow | Deny | Redirect:
+    return authorize(CFG, auth="token", token_sha256=HASH, target=target, headers=headers, client_ip="192.0.2.7",
+                     host=HOST, upgrade=True)
+
+
+def test_a_right_token_in_an_upgrades_target_lets_it_in_without_the_token() -> None:
+    got = allowed(upgrade([(b"Upgrade", b"websocket"), (b"Cookie", b"a=1")], b"/ws?a=1&token=" + TOKEN + b"&b=2"))
+    assert got.target == b"/ws?a=1&b=2"
+    assert got.via == "query"
+    assert got.headers == [(b"Upgrade", b"websocket"), (b"Cookie", b"a=1"), *FWD]
+    # every token parameter goes, the encoded spelling too
+    got = allowed(upgrade([], b"/ws?tok%65n=" + TOKEN + b"&token=" + TOKEN))
+    assert got.target == b"/ws"
+
+
+def test_an_upgrade_with_a_wrong_token_is_403_and_with_none_401() -> None:
+    denied(upgrade([], b"/ws?token=" + TOKEN + b"x"), 403, "wrong_token")
+    denied(upgrade([(b"Authorization", b"Bearer " + TOKEN)], b"/ws?token=nope"), 403, "wrong_token")
+    denied(upgrade([], b"/ws"), 401, "missing_token")
+    denied(upgrade([], b"/ws?token="), 401, "missing_token")
+
+
+def test_a_right_token_on_a_request_that_is_not_an_upgrade_is_still_exchanged_by_redirect() -> None:
+    assert isinstance(run([], b"/ws?token=" + TOKEN), Redirect)
+
+
+@settings(max_examples=300)
+@given(requests())
+def test_an_upgrade_never_takes_the_token_upstream_in_any_form(req: tuple[bytes, Headers, bytes, str]) -> None:
+    token, headers, target, _ = req
+    got = authorize(CFG, auth="token", token_sha256=hashlib.sha256(token).hexdigest(), target=target,
+                    headers=headers, client_ip="192.0.2.7", host=HOST, upgrade=True)
+    assert isinstance(got, Allow)
+    assert token not in got.target and quote(token.decode(), safe="").encode() not in got.target
+    assert all(token not in v for _, v in got.headers)
+    assert split_query(got.target.partition(b"?")[2] or None, b"token")[1] == []

@@ -344,3 +344,39 @@ def test_a_tcp_port_with_token_auth_is_closed() -> None:
     r = route()
     object.__setattr__(r, "ports", {**r.ports, 23: PortSpec("tcp", "token")})
     assert decide_connection(Name("a", 23), r) == Close("bad_tcp_auth")
+
+
+# -- no SNI: the default certificate's names ---------------------------------------------------------------
+
+NO_SNI: list[tuple[tuple[str, ...], str, bool, Name | int]] = [
+    # the default certificate's SANs, the request's authority, HTTP/2, the outcome
+    (WILD, "b.sandbox.example.com", False, B),
+    (WILD, "b.sandbox.example.com", True, B),
+    (WILD, "8080-b.sandbox.example.com", True, Name("b", 8080)),
+    (("b.sandbox.example.com",), "b.sandbox.example.com", False, B),
+    (("b.sandbox.example.com",), "a.sandbox.example.com", False, 421),
+    (("b.sandbox.example.com",), "a.sandbox.example.com", True, 421),
+    (("b.sandbox.example.com",), "8080-b.sandbox.example.com", True, 421),  # another name of b's: not covered
+    (("*.other.example.com",), "b.sandbox.example.com", False, 421),
+    ((), "b.sandbox.example.com", False, B),  # no certificate known (not a front connection): by its authority
+    (("b.sandbox.example.com",), "a.b.sandbox.example.com", False, 400),  # malformed first
+]
+
+
+@pytest.mark.parametrize(("sans", "authority", "http2", "want"), NO_SNI,
+                         ids=[f"[{','.join(c)}]->{a}{'-h2' if h else ''}" for c, a, h, _ in NO_SNI])
+def test_without_sni_a_request_is_routed_by_its_own_name_when_the_certificate_covers_it(
+    sans: tuple[str, ...], authority: str, http2: bool, want: Name | int
+) -> None:
+    """No server name: the connection was shown the default certificate, and each request is routed by its
+    own authority, on both fronts, if that certificate covers it; 421 otherwise."""
+    if http2:
+        got = target(None, None, authority=authority.encode(), http2=True, cert_names=sans)
+    else:
+        got = target(None, authority, cert_names=sans)
+    if isinstance(want, Name):
+        assert got == want
+    else:
+        assert isinstance(got, Answer) and got.status == want
+        if want == 421:
+            assert got.reason == "misdirected"
