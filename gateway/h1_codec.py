@@ -13,7 +13,9 @@ whatever llhttp refuses in its strict mode (bare LF, obs-fold, control bytes or 
 a space before the colon, a Content-Length that is not one number, Content-Length with
 Transfer-Encoding, bad chunk framing), and what h11 refused on top of it: a Transfer-Encoding other than
 exactly ``chunked``, an HTTP/1.1 request without one Host, a version other than 1.0 and 1.1, a head over
-the limit (431; a response's: 502), a message cut by the end of the stream. A request llhttp
+the limit (431; a response's: 502), a message cut by the end of the stream, a ``Connection`` option that
+names a framing or routing header (Content-Length, Transfer-Encoding, Host: hop-by-hop removal would
+unframe the message; ``connection_names_framing``). A request llhttp
 refuses gets the token ``smuggling_reason`` reads in llhttp's message (``obs_fold``,
 ``content_length_with_transfer_encoding``, ``duplicate_content_length``) or ``bad_request``. An
 upgrade request (``Connection: upgrade`` with ``Upgrade``) may not carry a body (h11 read one first;
@@ -37,6 +39,13 @@ import httptools
 from sbxnet.errors import LocalProtocolError, RemoteProtocolError
 
 DEFAULT_MAX_HEAD = 16384  # h11's max_incomplete_event_size default: the bound for a sandbox's response head
+
+# RFC 9110 7.6.1: meant for one connection, never forwarded (with whatever ``Connection`` names).
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te",
+                        b"trailer", b"upgrade"})
+# What a ``Connection`` option may not name: removing it as hop-by-hop would change how the message is framed
+# (or which host it is for), so such a head is refused rather than forwarded unframed.
+FRAMING = frozenset({b"content-length", b"transfer-encoding", b"host"})
 
 
 class H1Error(RemoteProtocolError):
@@ -153,6 +162,19 @@ def _te_chunked(headers: list[tuple[bytes, bytes]], error: str, status: int) -> 
     if len(te) != 1 or te[0].strip().lower() != b"chunked":
         raise H1Error(error, "a Transfer-Encoding other than chunked", http_status=status)
     return True
+
+
+def end_to_end(headers: list[tuple[bytes, bytes]], *, keep_upgrade: bool = False) -> list[tuple[bytes, bytes]]:
+    """``headers`` less the hop-by-hop ones (``HOP_BY_HOP`` and every name ``Connection`` lists), in their
+    order: what a proxy may pass on. ``keep_upgrade``: an upgrade request's ``Upgrade`` stays (the proxy
+    sends ``Connection: upgrade`` again). A proxy adds its own headers after this, so none can be named away."""
+    drop = HOP_BY_HOP | _tokens(headers, b"connection")
+    return [(n, v) for n, v in headers
+            if n.lower() not in drop or (keep_upgrade and n.lower() == b"upgrade")]
+
+
+def _connection_names_framing(headers: list[tuple[bytes, bytes]]) -> bool:
+    return not _tokens(headers, b"connection").isdisjoint(FRAMING)
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -414,6 +436,8 @@ class _RequestReader(_Reader):
         if hosts > 1 or (hosts == 0 and version == "1.1"):
             raise H1Error("bad_request", "an HTTP/1.1 request needs one Host")
         chunked = _te_chunked(headers, "bad_request", 400)
+        if _connection_names_framing(headers):
+            raise H1Error("connection_names_framing", "a Connection option naming a framing or routing header")
         connection = _tokens(headers, b"connection")
         upgrade = p.should_upgrade() and method != b"CONNECT"
         if upgrade and (chunked or _content_length(headers)):
@@ -501,6 +525,8 @@ class _ResponseReader(_Reader):
             self.events.append(InformationalResponse(status, headers, self._reason, version.encode()))
             return
         chunked = _te_chunked(headers, "bad_response", 502)
+        if _connection_names_framing(headers):
+            raise H1Error("bad_response", "a Connection option naming a framing header", http_status=502)
         ev = Response(status, headers, self._reason, version.encode())
         self.final = ev
         self.events.append(ev)

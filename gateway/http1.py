@@ -60,8 +60,7 @@ from sbxnet.tls_stream import ReadInterrupted, TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
 
-HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te", b"trailer",
-              b"upgrade"}
+HOP_BY_HOP = h1.HOP_BY_HOP
 # RFC 9110 9.2.2. Such a request without a body may be sent again on a fresh link when a kept one fails
 # before any answer (the app closed it just as the request went out: RFC 9112 9.3.1).
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
@@ -211,6 +210,12 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, target: byte
 
 class _ClientGone(Exception):
     pass
+
+
+def _upgrade(req: h1.Request) -> bool:
+    """``Connection: upgrade`` with an ``Upgrade`` header: the link is asked to switch too."""
+    tokens = {t.strip().lower() for n, v in req.headers if n == b"connection" for t in v.split(b",")}
+    return b"upgrade" in tokens and any(n == b"upgrade" for n, _ in req.headers)
 
 
 class _KeptLinkFailed(Exception):
@@ -441,8 +446,11 @@ class H1Session:
             await self.answer(421, "this connection's server name is not served here", reason="misdirected")
             return await self._drain_body()
         hosts = [v for n, v in req.headers if n == b"host"]
+        # Hop-by-hop headers go first (with whatever Connection names): what admit and auth pass on is
+        # end to end, and the gateway's own (X-Forwarded-*, Host) are set after, so none can be named away.
         d = await admit(self.gw, self.conn_name, self.peer[0], target=req.target, hosts=hosts,
-                        headers=list(req.headers), http10=req.http_version == b"1.0", rec=self._rec)
+                        headers=h1.end_to_end(req.headers, keep_upgrade=_upgrade(req)),
+                        http10=req.http_version == b"1.0", rec=self._rec)
         if isinstance(d, Refusal):
             await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)
             return not d.close and await self._drain_body()
@@ -469,19 +477,9 @@ class H1Session:
         if not target.startswith(b"/") and target != b"*":
             parts = urlsplit(target.decode("ascii"))
             target = (parts.path or "/").encode() + (b"?" + parts.query.encode() if parts.query else b"")
-        connection_tokens = {t.strip().lower() for n, v in req.headers if n == b"connection" for t in v.split(b",")}
-        upgrade = b"upgrade" in connection_tokens and any(n == b"upgrade" for n, _ in req.headers)
-        headers: list[tuple[bytes, bytes]] = []
-        for n, v in allow.headers:
-            low = n.lower()
-            if low == b"host":
-                continue
-            if low in HOP_BY_HOP or low in connection_tokens:
-                if upgrade and low == b"upgrade":
-                    headers.append((n, v))
-                continue
-            headers.append((n, v))
-        headers.insert(0, (b"host", host.encode()))
+        upgrade = _upgrade(req)
+        # allow.headers are end to end already (``_one``), and end with the gateway's own.
+        headers = [(b"host", host.encode()), *((n, v) for n, v in allow.headers if n.lower() != b"host")]
         if upgrade:
             headers.append((b"connection", b"upgrade"))
         return conn.send_request(req.method, target, headers)

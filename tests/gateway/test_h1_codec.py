@@ -536,3 +536,46 @@ def test_ready_body_takes_only_a_body_already_parsed_and_leaves_the_rest_for_nex
     assert cut.ready_body() is None
     with pytest.raises(h1.H1Error):
         cut.next_event()
+
+
+# -- issue 22 point 10: hop-by-hop headers ------------------------
+
+def _events_until_refusal(s: h1.H1Server, pieces: list[bytes]) -> tuple[list[Any], h1.H1Error | None]:
+    events: list[Any] = []
+    for piece in pieces:
+        s.receive_data(piece)
+        try:
+            while (ev := s.next_event()) is not h1.NEED_DATA:
+                events.append(ev)
+        except h1.H1Error as e:
+            return events, e
+    return events, None
+
+
+@pytest.mark.parametrize("option", [b"Content-Length", b"transfer-encoding", b"HOST", b"close, Content-Length",
+                                    b"keep-alive,transfer-encoding"])
+def test_a_connection_option_naming_a_framing_header_is_400_however_cut(option: bytes) -> None:
+    framing = b"Content-Length: 5\r\n\r\nhello" if b"ength" in option or b"HOST" in option else \
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    raw = (b"POST /u HTTP/1.1\r\n" + HOST + b"Connection: " + option + b"\r\n" + framing
+           + b"GET /next HTTP/1.1\r\n" + HOST)
+    for pieces in chunkings(raw, [20, 40, 60]):
+        events, refused = _events_until_refusal(h1.H1Server(1024), [*pieces, b""])
+        assert events == [] and refused is not None, (pieces, events)  # refused at its head: no Request event
+        assert (refused.reason, refused.http_status, refused.method) == ("connection_names_framing", 400, b"POST")
+
+
+def test_a_response_that_names_its_framing_in_connection_is_refused() -> None:
+    for raw in (b"HTTP/1.1 200 OK\r\nConnection: content-length\r\nContent-Length: 2\r\n\r\nok",):
+        with pytest.raises(h1.H1Error) as e:
+            client_events("GET", [raw])
+        assert (e.value.reason, e.value.http_status) == ("bad_response", 502)
+
+
+def test_end_to_end_drops_hop_by_hop_headers_and_what_connection_names_and_nothing_else() -> None:
+    headers = [(b"host", b"a.test"), (b"connection", b"close, X-Forwarded-For, x-custom"), (b"x-custom", b"1"),
+               (b"X-Forwarded-For", b"6.6.6.6"), (b"keep-alive", b"5"), (b"te", b"trailers"), (b"accept", b"*/*"),
+               (b"upgrade", b"websocket"), (b"proxy-authorization", b"x")]
+    assert h1.end_to_end(headers) == [(b"host", b"a.test"), (b"accept", b"*/*")]
+    assert h1.end_to_end(headers, keep_upgrade=True) == [(b"host", b"a.test"), (b"accept", b"*/*"),
+                                                        (b"upgrade", b"websocket")]
