@@ -15,7 +15,8 @@ Transfer-Encoding, bad chunk framing), and what h11 refused on top of it: a Tran
 exactly ``chunked``, an HTTP/1.1 request without one Host, a version other than 1.0 and 1.1, a head over
 the limit (431; a response's: 502), a message cut by the end of the stream, a ``Connection`` option that
 names a framing or routing header (Content-Length, Transfer-Encoding, Host: hop-by-hop removal would
-unframe the message; ``connection_names_framing``). A request llhttp
+unframe the message; ``connection_names_framing``), a trailer field that frames, routes or is hop-by-hop
+(``NOT_IN_TRAILERS``; ``bad_trailer``). A request llhttp
 refuses gets the token ``smuggling_reason`` reads in llhttp's message (``obs_fold``,
 ``content_length_with_transfer_encoding``, ``duplicate_content_length``) or ``bad_request``. An
 upgrade request (``Connection: upgrade`` with ``Upgrade``) may not carry a body (h11 read one first;
@@ -46,6 +47,8 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"pro
 # What a ``Connection`` option may not name: removing it as hop-by-hop would change how the message is framed
 # (or which host it is for), so such a head is refused rather than forwarded unframed.
 FRAMING = frozenset({b"content-length", b"transfer-encoding", b"host"})
+# Trailer fields refused (RFC 9110 6.5.1): framing, routing and connection control belong in the head only.
+NOT_IN_TRAILERS = FRAMING | HOP_BY_HOP
 
 
 class H1Error(RemoteProtocolError):
@@ -305,9 +308,15 @@ class _Reader:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._size += len(name) + len(value) + 4
-        if self._chunked and self._size > self.max_head:  # trailers: bounded as a head is
-            raise H1Error(self._too_large_reason, "the trailers are over the limit", http_status=self._too_large_status)
-        self._headers.append((name.lower(), value.rstrip(b" \t")))  # h11 strips trailing OWS; llhttp keeps it
+        name = name.lower()
+        if self._chunked:  # trailers: bounded as a head is, and no field that frames, routes or is hop-by-hop
+            if self._size > self.max_head:
+                raise H1Error(self._too_large_reason, "the trailers are over the limit",
+                              http_status=self._too_large_status)
+            if name in NOT_IN_TRAILERS:
+                raise H1Error(self._trailer_reason, "a trailer field that only a head may carry",
+                              http_status=self._error_status)
+        self._headers.append((name, value.rstrip(b" \t")))  # h11 strips trailing OWS; llhttp keeps it
 
     def on_headers_complete(self) -> None:
         self._stalled = 0
@@ -386,6 +395,7 @@ class _Reader:
 
     _too_large_status = 431
     _too_large_reason = "header_too_large"
+    _trailer_reason = "bad_trailer"
 
     def _head_only(self, data: bytes) -> None:
         raise NotImplementedError
@@ -482,6 +492,7 @@ class _ResponseReader(_Reader):
 
     _too_large_status = 502
     _too_large_reason = "bad_response"
+    _trailer_reason = "bad_response"
 
     def __init__(self, max_head: int) -> None:
         super().__init__(max_head, "bad_response", 502)
@@ -627,6 +638,19 @@ class H1Server:
             return None
         taken: Data | EndOfMessage = self.next_event()
         return taken
+
+    def refusal_ahead(self) -> H1Error | None:
+        """The refusal that the current request's body (or trailers) reaches in the bytes parsed so far, or
+        None: the gateway answers it (400) before anything of the request goes upstream, instead of
+        sending the head and the body up to the refusal point."""
+        if self.request_done:
+            return None
+        for ev in self._r.events:
+            if type(ev) is EndOfMessage:
+                return None
+            if isinstance(ev, H1Error):
+                return ev
+        return None
 
     @property
     def idle(self) -> bool:

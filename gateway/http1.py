@@ -212,6 +212,14 @@ class _ClientGone(Exception):
     pass
 
 
+def _client_cut(task: asyncio.Task[None]) -> BaseException | None:
+    """How the client's side broke a request body's pump (its framing refused, or the client gone), or None."""
+    if not task.done() or task.cancelled():
+        return None
+    e = task.exception()
+    return e if isinstance(e, (h1.H1Error, _ClientGone)) else None
+
+
 def _upgrade(req: h1.Request) -> bool:
     """``Connection: upgrade`` with an ``Upgrade`` header: the link is asked to switch too."""
     tokens = {t.strip().lower() for n, v in req.headers if n == b"connection" for t in v.split(b",")}
@@ -454,7 +462,18 @@ class H1Session:
         if isinstance(d, Refusal):
             await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)
             return not d.close and await self._drain_body()
+        refused = self.h.refusal_ahead()
+        if refused is not None:
+            # The body's framing broke in what came already: nothing of the request goes upstream.
+            await self._refuse(refused)
+            return False
         return await self._proxy(req, d.fwd, d.allow, d.host)
+
+    async def _refuse(self, e: h1.H1Error) -> None:
+        """A refused request answered (400, 431), the connection closed after it."""
+        status = 431 if e.http_status == 431 else 400
+        await self.answer(status, "bad request" if status == 400 else "request header too large", close=True,
+                          reason=e.reason)
 
     async def _drain_body(self) -> bool:
         """Read and drop the body of a request we answered ourselves, so the connection can go on."""
@@ -542,6 +561,8 @@ class H1Session:
         started = time.monotonic()
         await stream.write(b"".join(first))
         body_task = None if self.h.request_done else asyncio.create_task(self._pump_request_body(up))
+        if body_task is not None:
+            body_task.add_done_callback(lambda task: self._body_ended(task, stream))
         responded = False
         status = 0
         # What goes to the client next: what one read of the link gave (a head, body bytes, the end) is
@@ -607,6 +628,15 @@ class H1Session:
                 body_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await body_task
+                cut = _client_cut(body_task)
+                if cut is not None:  # the client's side broke: ``_body_ended`` reset both ends already
+                    self.up = None
+                    if isinstance(cut, h1.H1Error):
+                        self._rec.reason = cut.reason
+                        self.gw.metrics.refusals.labels(cut.reason).inc()
+                    else:
+                        self._rec.reason = "client_gone"
+                    return False
             if out and not isinstance(e, _ClientGone):
                 # What the link gave before it broke reaches the client as it did event by event.
                 with contextlib.suppress(OSError):
@@ -627,6 +657,15 @@ class H1Session:
         else:
             up.conn.start_next_cycle()
         return True
+
+    def _body_ended(self, task: asyncio.Task[None], stream: TlsStream) -> None:
+        """The request body's pump ended. If the client's side broke (a framing error after the head, the
+        client gone mid-body), the exchange ends now, whatever ``_exchange`` waits for (the app's answer, a
+        write to the client): the link is aborted (the app sees a reset, never a whole request) and the
+        client reset, so it cannot take a cut exchange for a whole one."""
+        if _client_cut(task) is not None:
+            stream.abort()
+            self.client.abort()
 
     def _response_headers(self, headers: Any) -> list[tuple[bytes, bytes]]:
         tokens = {t.strip().lower() for n, v in headers if n == b"connection" for t in v.split(b",")}
