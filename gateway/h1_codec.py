@@ -308,15 +308,9 @@ class _Reader:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._size += len(name) + len(value) + 4
-        name = name.lower()
-        if self._chunked:  # trailers: bounded as a head is, and no field that frames, routes or is hop-by-hop
-            if self._size > self.max_head:
-                raise H1Error(self._too_large_reason, "the trailers are over the limit",
-                              http_status=self._too_large_status)
-            if name in NOT_IN_TRAILERS:
-                raise H1Error(self._trailer_reason, "a trailer field that only a head may carry",
-                              http_status=self._error_status)
-        self._headers.append((name, value.rstrip(b" \t")))  # h11 strips trailing OWS; llhttp keeps it
+        if self._chunked and self._size > self.max_head:  # trailers: bounded as a head is
+            raise H1Error(self._too_large_reason, "the trailers are over the limit", http_status=self._too_large_status)
+        self._headers.append((name.lower(), value.rstrip(b" \t")))  # h11 strips trailing OWS; llhttp keeps it
 
     def on_headers_complete(self) -> None:
         self._stalled = 0
@@ -344,6 +338,11 @@ class _Reader:
     def on_message_complete(self) -> None:
         self._stalled = 0
         trailers = self._headers if self._chunked else []
+        # Judged once the trailers are whole (as a head's fields are at its end), so a malformed line after
+        # a refused field is refused first however the bytes are cut.
+        if any(n in NOT_IN_TRAILERS for n, _ in trailers):
+            raise H1Error(self._trailer_reason, "a trailer field that frames, routes or is hop-by-hop",
+                          http_status=self._error_status)
         self._in_body = self._chunked = False
         self._headers = []
         self.events.append(EndOfMessage(trailers))

@@ -131,6 +131,10 @@ def seeds() -> dict[str, bytes]:
     # A chunk extension that never ends: judged per read, so 431 when it trickles in, cut at the end of stream
     # when it all came in one read (classify's whole feed).
     s["truncated-chunk-extension-endless-in-one-read"] = b"S" + chunked + b"5;x=" + b"a" * 5000
+    # A refused trailer field, then a malformed line: the malformed line is refused, however the bytes are cut
+    # (trailers are judged once whole, as a head is).
+    s["bad_request-trailer-connection-then-malformed-line"] = (b"S" + chunked + b"5\r\nhello\r\n0\r\n"
+                                                               b"Connection: close\r\n0\r\n" + after)
     s["truncated-chunked-body-cut-in-data"] = b"S" + chunked + b"5\r\nhel"
     s["truncated-chunked-body-cut-before-last-chunk"] = b"S" + chunked + b"5\r\nhello\r\n"
     s["truncated-length-body-cut"] = b"S" + b"PUT /u HTTP/1.1\r\n" + HOST + b"Content-Length: 100\r\n\r\nhello"
