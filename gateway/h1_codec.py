@@ -13,7 +13,10 @@ whatever llhttp refuses in its strict mode (bare LF, obs-fold, control bytes or 
 a space before the colon, a Content-Length that is not one number, Content-Length with
 Transfer-Encoding, bad chunk framing), and what h11 refused on top of it: a Transfer-Encoding other than
 exactly ``chunked``, an HTTP/1.1 request without one Host, a version other than 1.0 and 1.1, a head over
-the limit (431; a response's: 502), a message cut by the end of the stream. A request llhttp
+the limit (431; a response's: 502), a message cut by the end of the stream, a ``Connection`` option that
+names a framing or routing header (Content-Length, Transfer-Encoding, Host: hop-by-hop removal would
+unframe the message; ``connection_names_framing``), a trailer field that frames, routes or is hop-by-hop
+(``NOT_IN_TRAILERS``; ``bad_trailer``). A request llhttp
 refuses gets the token ``smuggling_reason`` reads in llhttp's message (``obs_fold``,
 ``content_length_with_transfer_encoding``, ``duplicate_content_length``) or ``bad_request``. An
 upgrade request (``Connection: upgrade`` with ``Upgrade``) may not carry a body (h11 read one first;
@@ -37,6 +40,15 @@ import httptools
 from sbxnet.errors import LocalProtocolError, RemoteProtocolError
 
 DEFAULT_MAX_HEAD = 16384  # h11's max_incomplete_event_size default: the bound for a sandbox's response head
+
+# RFC 9110 7.6.1: meant for one connection, never forwarded (with whatever ``Connection`` names).
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te",
+                        b"trailer", b"upgrade"})
+# What a ``Connection`` option may not name: removing it as hop-by-hop would change how the message is framed
+# (or which host it is for), so such a head is refused rather than forwarded unframed.
+FRAMING = frozenset({b"content-length", b"transfer-encoding", b"host"})
+# Trailer fields refused (RFC 9110 6.5.1): framing, routing and connection control belong in the head only.
+NOT_IN_TRAILERS = FRAMING | HOP_BY_HOP
 
 
 class H1Error(RemoteProtocolError):
@@ -153,6 +165,19 @@ def _te_chunked(headers: list[tuple[bytes, bytes]], error: str, status: int) -> 
     if len(te) != 1 or te[0].strip().lower() != b"chunked":
         raise H1Error(error, "a Transfer-Encoding other than chunked", http_status=status)
     return True
+
+
+def end_to_end(headers: list[tuple[bytes, bytes]], *, keep_upgrade: bool = False) -> list[tuple[bytes, bytes]]:
+    """``headers`` less the hop-by-hop ones (``HOP_BY_HOP`` and every name ``Connection`` lists), in their
+    order: what a proxy may pass on. ``keep_upgrade``: an upgrade request's ``Upgrade`` stays (the proxy
+    sends ``Connection: upgrade`` again). A proxy adds its own headers after this, so none can be named away."""
+    drop = HOP_BY_HOP | _tokens(headers, b"connection")
+    return [(n, v) for n, v in headers
+            if n.lower() not in drop or (keep_upgrade and n.lower() == b"upgrade")]
+
+
+def _connection_names_framing(headers: list[tuple[bytes, bytes]]) -> bool:
+    return not _tokens(headers, b"connection").isdisjoint(FRAMING)
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -313,6 +338,11 @@ class _Reader:
     def on_message_complete(self) -> None:
         self._stalled = 0
         trailers = self._headers if self._chunked else []
+        # Judged once the trailers are whole (as a head's fields are at its end), so a malformed line after
+        # a refused field is refused first however the bytes are cut.
+        if any(n in NOT_IN_TRAILERS for n, _ in trailers):
+            raise H1Error(self._trailer_reason, "a trailer field that frames, routes or is hop-by-hop",
+                          http_status=self._error_status)
         self._in_body = self._chunked = False
         self._headers = []
         self.events.append(EndOfMessage(trailers))
@@ -364,6 +394,7 @@ class _Reader:
 
     _too_large_status = 431
     _too_large_reason = "header_too_large"
+    _trailer_reason = "bad_trailer"
 
     def _head_only(self, data: bytes) -> None:
         raise NotImplementedError
@@ -414,6 +445,8 @@ class _RequestReader(_Reader):
         if hosts > 1 or (hosts == 0 and version == "1.1"):
             raise H1Error("bad_request", "an HTTP/1.1 request needs one Host")
         chunked = _te_chunked(headers, "bad_request", 400)
+        if _connection_names_framing(headers):
+            raise H1Error("connection_names_framing", "a Connection option naming a framing or routing header")
         connection = _tokens(headers, b"connection")
         upgrade = p.should_upgrade() and method != b"CONNECT"
         if upgrade and (chunked or _content_length(headers)):
@@ -458,6 +491,7 @@ class _ResponseReader(_Reader):
 
     _too_large_status = 502
     _too_large_reason = "bad_response"
+    _trailer_reason = "bad_response"
 
     def __init__(self, max_head: int) -> None:
         super().__init__(max_head, "bad_response", 502)
@@ -501,6 +535,8 @@ class _ResponseReader(_Reader):
             self.events.append(InformationalResponse(status, headers, self._reason, version.encode()))
             return
         chunked = _te_chunked(headers, "bad_response", 502)
+        if _connection_names_framing(headers):
+            raise H1Error("bad_response", "a Connection option naming a framing header", http_status=502)
         ev = Response(status, headers, self._reason, version.encode())
         self.final = ev
         self.events.append(ev)
@@ -601,6 +637,19 @@ class H1Server:
             return None
         taken: Data | EndOfMessage = self.next_event()
         return taken
+
+    def refusal_ahead(self) -> H1Error | None:
+        """The refusal that the current request's body (or trailers) reaches in the bytes parsed so far, or
+        None: the gateway answers it (400) before anything of the request goes upstream, instead of
+        sending the head and the body up to the refusal point."""
+        if self.request_done:
+            return None
+        for ev in self._r.events:
+            if type(ev) is EndOfMessage:
+                return None
+            if isinstance(ev, H1Error):
+                return ev
+        return None
 
     @property
     def idle(self) -> bool:

@@ -62,8 +62,7 @@ from sbxnet.tls_stream import ReadInterrupted, TlsStream
 
 log = logging.getLogger("sbxnet.gateway")
 
-HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te", b"trailer",
-              b"upgrade"}
+HOP_BY_HOP = h1.HOP_BY_HOP
 # RFC 9110 9.2.2. Such a request without a body may be sent again on a fresh link when a kept one fails
 # before any answer (the app closed it just as the request went out: RFC 9112 9.3.1).
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
@@ -220,6 +219,20 @@ async def admit(gw: Any, conn_name: Name | None, client_ip: str, *, method: byte
 
 class _ClientGone(Exception):
     pass
+
+
+def _client_cut(task: asyncio.Task[None]) -> BaseException | None:
+    """How the client's side broke a request body's pump (its framing refused, or the client gone), or None."""
+    if not task.done() or task.cancelled():
+        return None
+    e = task.exception()
+    return e if isinstance(e, (h1.H1Error, _ClientGone)) else None
+
+
+def _upgrade(req: h1.Request) -> bool:
+    """``Connection: upgrade`` with an ``Upgrade`` header: the link is asked to switch too."""
+    tokens = {t.strip().lower() for n, v in req.headers if n == b"connection" for t in v.split(b",")}
+    return b"upgrade" in tokens and any(n == b"upgrade" for n, _ in req.headers)
 
 
 class _KeptLinkFailed(Exception):
@@ -452,13 +465,27 @@ class H1Session:
             await self.answer(421, "this connection's server name is not served here", reason="misdirected")
             return await self._drain_body()
         hosts = [v for n, v in req.headers if n == b"host"]
+        # Hop-by-hop headers go first (with whatever Connection names): what admit and auth pass on is
+        # end to end, and the gateway's own (X-Forwarded-*, Host) are set after, so none can be named away.
         d = await admit(self.gw, self.conn_name, self.peer[0], method=req.method, target=req.target, hosts=hosts,
-                        headers=list(req.headers), http10=req.http_version == b"1.0", upgrade=req.upgrade,
-                        cert_names=self.cert_names, rec=self._rec)
+                        headers=h1.end_to_end(req.headers, keep_upgrade=_upgrade(req)),
+                        http10=req.http_version == b"1.0", upgrade=req.upgrade, cert_names=self.cert_names,
+                        rec=self._rec)
         if isinstance(d, Refusal):
             await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)
             return not d.close and await self._drain_body()
+        refused = self.h.refusal_ahead()
+        if refused is not None:
+            # The body's framing broke in what came already: nothing of the request goes upstream.
+            await self._refuse(refused)
+            return False
         return await self._proxy(req, d.fwd, d.allow, d.host)
+
+    async def _refuse(self, e: h1.H1Error) -> None:
+        """A refused request answered (400, 431), the connection closed after it."""
+        status = 431 if e.http_status == 431 else 400
+        await self.answer(status, "bad request" if status == 400 else "request header too large", close=True,
+                          reason=e.reason)
 
     async def _drain_body(self) -> bool:
         """Read and drop the body of a request we answered ourselves, so the connection can go on."""
@@ -481,19 +508,9 @@ class H1Session:
         if not target.startswith(b"/") and target != b"*":
             parts = urlsplit(target.decode("ascii"))
             target = (parts.path or "/").encode() + (b"?" + parts.query.encode() if parts.query else b"")
-        connection_tokens = {t.strip().lower() for n, v in req.headers if n == b"connection" for t in v.split(b",")}
-        upgrade = b"upgrade" in connection_tokens and any(n == b"upgrade" for n, _ in req.headers)
-        headers: list[tuple[bytes, bytes]] = []
-        for n, v in allow.headers:
-            low = n.lower()
-            if low == b"host":
-                continue
-            if low in HOP_BY_HOP or low in connection_tokens:
-                if upgrade and low == b"upgrade":
-                    headers.append((n, v))
-                continue
-            headers.append((n, v))
-        headers.insert(0, (b"host", host.encode()))
+        upgrade = _upgrade(req)
+        # allow.headers are end to end already (``_one``), and end with the gateway's own.
+        headers = [(b"host", host.encode()), *((n, v) for n, v in allow.headers if n.lower() != b"host")]
         if upgrade:
             headers.append((b"connection", b"upgrade"))
         return conn.send_request(req.method, target, headers)
@@ -556,6 +573,8 @@ class H1Session:
         started = time.monotonic()
         await stream.write(b"".join(first))
         body_task = None if self.h.request_done else asyncio.create_task(self._pump_request_body(up))
+        if body_task is not None:
+            body_task.add_done_callback(lambda task: self._body_ended(task, stream))
         responded = False
         status = 0
         # What goes to the client next: what one read of the link gave (a head, body bytes, the end) is
@@ -621,6 +640,15 @@ class H1Session:
                 body_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await body_task
+                cut = _client_cut(body_task)
+                if cut is not None:  # the client's side broke: ``_body_ended`` reset both ends already
+                    self.up = None
+                    if isinstance(cut, h1.H1Error):
+                        self._rec.reason = cut.reason
+                        self.gw.metrics.refusals.labels(cut.reason).inc()
+                    else:
+                        self._rec.reason = "client_gone"
+                    return False
             if out and not isinstance(e, _ClientGone):
                 # What the link gave before it broke reaches the client as it did event by event.
                 with contextlib.suppress(OSError):
@@ -641,6 +669,15 @@ class H1Session:
         else:
             up.conn.start_next_cycle()
         return True
+
+    def _body_ended(self, task: asyncio.Task[None], stream: TlsStream) -> None:
+        """The request body's pump ended. If the client's side broke (a framing error after the head, the
+        client gone mid-body), the exchange ends now, whatever ``_exchange`` waits for (the app's answer, a
+        write to the client): the link is aborted (the app sees a reset, never a whole request) and the
+        client reset, so it cannot take a cut exchange for a whole one."""
+        if _client_cut(task) is not None:
+            stream.abort()
+            self.client.abort()
 
     def _response_headers(self, headers: Any) -> list[tuple[bytes, bytes]]:
         tokens = {t.strip().lower() for n, v in headers if n == b"connection" for t in v.split(b",")}

@@ -93,6 +93,71 @@ def seeds() -> dict[str, bytes]:
     s["bad_request-second-pipelined-broken"] = (b"S" + h11_request("GET", "/1", [])
                                                 + b"GET / HTTP/1.1\r\nX\x00: 1\r\n\r\n")
     s["bad_request-garbage"] = b"S" + b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"
+    # Issue 22 point 4: malformed chunked bodies after a valid head. The replay holds each to "nothing after
+    # the refusal reaches the sandbox" (fuzz_h1_codec.py's proxy): whole, the refusal is ahead of the head
+    # (400, nothing sent); byte by byte the head and the body before the bad byte went, then nothing.
+    chunked = b"POST /u HTTP/1.1\r\n" + HOST + b"Transfer-Encoding: chunked\r\n\r\n"
+    after = h11_request("GET", "/after", [])  # a pipelined request behind it: never read, never sent
+    for name, body in {
+        "chunk-size-leading-space": b" 5\r\nhello\r\n0\r\n\r\n",
+        "chunk-size-trailing-space": b"5 \r\nhello\r\n0\r\n\r\n",
+        "chunk-size-leading-tab": b"\t5\r\nhello\r\n0\r\n\r\n",
+        "chunk-size-plus-sign": b"+5\r\nhello\r\n0\r\n\r\n",
+        "chunk-size-0x-prefix": b"0x5\r\nhello\r\n0\r\n\r\n",
+        "chunk-size-not-hex": b"5g\r\nhello\r\n0\r\n\r\n",
+        "chunk-size-overlong-hex": b"1" + b"0" * 16 + b"\r\nhello\r\n0\r\n\r\n",
+        "last-chunk-size-leading-space": b"5\r\nhello\r\n 0\r\n\r\n",
+        "last-chunk-size-trailing-space": b"5\r\nhello\r\n0 \r\n\r\n",
+        "second-chunk-size-space-after-data": b"5\r\nhello\r\n 3\r\nabc\r\n0\r\n\r\n",
+        "chunk-size-bare-lf": b"5\nhello\r\n0\r\n\r\n",
+        "chunk-data-without-crlf": b"5\r\nhelloXX0\r\n\r\n",
+        "chunk-data-bare-lf": b"5\r\nhello\n0\r\n\r\n",
+        "chunk-empty-size-line": b"5\r\nhello\r\n\r\n0\r\n\r\n",
+        "chunk-extension-space": b"5; a=b\r\nhello\r\n0\r\n\r\n",
+        "chunk-extension-unterminated-quote": b"5;a=\"b\r\nhello\r\n0\r\n\r\n",
+        "chunk-extension-nul": b"5;a\x00\r\nhello\r\n0\r\n\r\n",
+        "chunk-extension-bare-cr": b"5;a\rb\r\nhello\r\n0\r\n\r\n",
+        "trailer-transfer-encoding": b"5\r\nhello\r\n0\r\nTransfer-Encoding: chunked\r\n\r\n",
+        "trailer-space-before-colon": b"5\r\nhello\r\n0\r\nX-A : 1\r\n\r\n",
+        "trailer-obs-fold-start": b"5\r\nhello\r\n0\r\n X-A: 1\r\n\r\n",
+    }.items():
+        s[f"bad_request-{name}"] = b"S" + chunked + body + after
+    s["content_length_with_transfer_encoding-trailer-content-length"] = (
+        b"S" + chunked + b"5\r\nhello\r\n0\r\nContent-Length: 5\r\n\r\n" + after)
+    for field in (b"Host: b.test", b"Connection: close", b"TE: trailers", b"Trailer: x-a", b"Upgrade: websocket",
+                  b"Keep-Alive: 5", b"Proxy-Authorization: x"):
+        what = field.split(b":")[0].lower().decode()
+        s[f"bad_trailer-trailer-{what}"] = b"S" + chunked + b"5\r\nhello\r\n0\r\n" + field + b"\r\n\r\n" + after
+    # A chunk extension that never ends: judged per read, so 431 when it trickles in, cut at the end of stream
+    # when it all came in one read (classify's whole feed).
+    s["truncated-chunk-extension-endless-in-one-read"] = b"S" + chunked + b"5;x=" + b"a" * 5000
+    # A refused trailer field, then a malformed line: the malformed line is refused, however the bytes are cut
+    # (trailers are judged once whole, as a head is).
+    s["bad_request-trailer-connection-then-malformed-line"] = (b"S" + chunked + b"5\r\nhello\r\n0\r\n"
+                                                               b"Connection: close\r\n0\r\n" + after)
+    s["truncated-chunked-body-cut-in-data"] = b"S" + chunked + b"5\r\nhel"
+    s["truncated-chunked-body-cut-before-last-chunk"] = b"S" + chunked + b"5\r\nhello\r\n"
+    s["truncated-length-body-cut"] = b"S" + b"PUT /u HTTP/1.1\r\n" + HOST + b"Content-Length: 100\r\n\r\nhello"
+    s["bad_request-pipelined-good-then-bad-chunk"] = (b"S" + h11_request("POST", "/1", [("content-length", "2")],
+                                                                        [b"ab"]) + chunked + b" 5\r\nhello\r\n")
+    s["ok-chunk-size-leading-zeros"] = b"S" + chunked + b"0" * 20 + b"5\r\nhello\r\n0\r\n\r\n"
+    s["ok-chunk-size-upper-hex"] = b"S" + chunked + b"A\r\n0123456789\r\n0\r\n\r\n"
+    # Issue 22 point 10: a Connection option naming a framing header is refused at its head (nothing sent);
+    # one naming the gateway's own headers passes, and the replay checks X-Forwarded-For still reaches the app.
+    for name, head in {
+        "content-length": b"Connection: Content-Length\r\nContent-Length: 5\r\n\r\nhello",
+        "transfer-encoding": b"Connection: transfer-encoding\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        "host": b"Connection: Host\r\n\r\n",
+        "in-a-list": b"Connection: close, content-length\r\nContent-Length: 1\r\n\r\nx",
+        "two-connection-headers": b"Connection: keep-alive\r\nConnection: Transfer-Encoding\r\n\r\n",
+    }.items():
+        s[f"connection_names_framing-{name}"] = b"S" + b"POST /p HTTP/1.1\r\n" + HOST + head + after
+    s["ok-connection-names-x-forwarded"] = b"S" + h11_request(
+        "GET", "/", [("connection", "close, X-Forwarded-For, X-Forwarded-Proto, X-Forwarded-Host"),
+                     ("x-forwarded-for", "6.6.6.6")])
+    s["ok-connection-names-hop-by-hop-custom"] = b"S" + h11_request(
+        "GET", "/", [("connection", "keep-alive, x-private"), ("x-private", "1"), ("keep-alive", "5"),
+                     ("te", "trailers"), ("x-public", "2")]) + h11_request("GET", "/2", [])
     # Responses that pass.
     s["ok-response-length"] = b"G" + h11_response(200, [("content-length", "5")], [b"hello"])
     s["ok-response-chunked-trailers"] = b"G" + h11_response(200, [("transfer-encoding", "chunked")], [b"ab", b"cd"],
@@ -121,6 +186,10 @@ def seeds() -> dict[str, bytes]:
                                b"0\r\n\r\n")
     s["bad_response-head-too-large"] = b"G" + b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"
     s["bad_response-head-too-large-for-head"] = b"H" + b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n"
+    s["bad_response-connection-names-content-length"] = (b"G" + b"HTTP/1.1 200 OK\r\nConnection: content-length\r\n"
+                                                          b"Content-Length: 2\r\n\r\nok")
+    s["bad_response-trailer-host"] = (b"G" + b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                      b"2\r\nok\r\n0\r\nHost: x\r\n\r\n")
     s["truncated-response-cut"] = b"G" + b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"
     s["truncated-response-head-cut"] = b"G" + b"HTTP/1.1 200 OK\r\nContent-Le"
     s["truncated-head-response-head-cut"] = b"H" + b"HTTP/1.1 200 OK\r\nContent-Le"

@@ -536,3 +536,115 @@ def test_ready_body_takes_only_a_body_already_parsed_and_leaves_the_rest_for_nex
     assert cut.ready_body() is None
     with pytest.raises(h1.H1Error):
         cut.next_event()
+
+
+# -- issue 22 points 4 and 10: framing errors after the head, and hop-by-hop headers ------------------------
+
+CHUNKED_HEAD = b"POST /u HTTP/1.1\r\n" + HOST + b"Transfer-Encoding: chunked\r\n\r\n"
+# Malformed chunked bodies (after a valid head), each with the reason it is refused for.
+BAD_CHUNKED = {
+    b" 5\r\nhello\r\n0\r\n\r\n": "bad_request",  # a space before the size (issue 22's case)
+    b"5 \r\nhello\r\n0\r\n\r\n": "bad_request",  # and after it
+    b"\t5\r\nhello\r\n0\r\n\r\n": "bad_request",
+    b"+5\r\nhello\r\n0\r\n\r\n": "bad_request",
+    b"0x5\r\nhello\r\n0\r\n\r\n": "bad_request",
+    b"5\r\nhello\r\n 0\r\n\r\n": "bad_request",  # the last chunk's size with a space
+    b"5\r\nhello\r\n0 \r\n\r\n": "bad_request",
+    b"fffffffffffffffff\r\nhello\r\n0\r\n\r\n": "bad_request",  # overlong hex: overflow
+    b"5\nhello\r\n0\r\n\r\n": "bad_request",  # no CR after the size
+    b"5\r\nhelloXX0\r\n\r\n": "bad_request",  # no CRLF after the data
+    b"5\r\nhello\r\n\r\n": "bad_request",  # an empty size line
+    b"5; a=b\r\nhello\r\n0\r\n\r\n": "bad_request",  # a space in an extension
+    b"5;a=\"b\r\nhello\r\n0\r\n\r\n": "bad_request",  # an unterminated quoted extension
+    b"5;\x00\r\nhello\r\n0\r\n\r\n": "bad_request",
+    b"5\r\nhello\r\n0\r\nTransfer-Encoding: chunked\r\n\r\n": "bad_request",  # trailers that frame
+    b"5\r\nhello\r\n0\r\nContent-Length: 5\r\n\r\n": "content_length_with_transfer_encoding",
+    b"5\r\nhello\r\n0\r\nHost: b.test\r\n\r\n": "bad_trailer",  # or route
+    b"5\r\nhello\r\n0\r\nConnection: close\r\n\r\n": "bad_trailer",  # or are hop-by-hop
+    b"5\r\nhello\r\n0\r\nTrailer: x\r\n\r\n": "bad_trailer",
+    b"5\r\nhello\r\n0\r\nTE: trailers\r\n\r\n": "bad_trailer",
+    b"5\r\nhello\r\n0\r\nX-A : 1\r\n\r\n": "bad_request",
+}
+
+
+def _events_until_refusal(s: h1.H1Server, pieces: list[bytes]) -> tuple[list[Any], h1.H1Error | None]:
+    events: list[Any] = []
+    for piece in pieces:
+        s.receive_data(piece)
+        try:
+            while (ev := s.next_event()) is not h1.NEED_DATA:
+                events.append(ev)
+        except h1.H1Error as e:
+            return events, e
+    return events, None
+
+
+@pytest.mark.parametrize("body", sorted(BAD_CHUNKED), ids=range(len(BAD_CHUNKED)))
+def test_a_malformed_chunked_body_is_refused_and_known_before_anything_goes_up_when_it_came_with_the_head(
+        body: bytes) -> None:
+    """Whole, byte by byte and cut elsewhere: the refusal comes with its reason, no end of the request ever
+    comes before it, and a pipelined request after it is never read. When the bad bytes came with the head
+    (one read), ``refusal_ahead`` says so as the head is taken: the gateway answers 400, sending nothing."""
+    reason = BAD_CHUNKED[body]
+    raw = CHUNKED_HEAD + body + b"GET /next HTTP/1.1\r\n" + HOST + b"\r\n"
+    for pieces in chunkings(raw, [len(CHUNKED_HEAD) + 1, len(CHUNKED_HEAD) + 7, len(raw) - 3]):
+        events, refused = _events_until_refusal(h1.H1Server(1024), [*pieces, b""])
+        assert refused is not None and (refused.reason, refused.http_status) == (reason, 400), (pieces, events)
+        assert isinstance(events[0], h1.Request) and events[0].target == b"/u"
+        assert not any(isinstance(ev, (h1.EndOfMessage, h1.Request)) for ev in events[1:]), events
+    s = h1.H1Server(1024)
+    s.receive_data(raw)
+    assert isinstance(s.next_event(), h1.Request)
+    ahead = s.refusal_ahead()
+    assert ahead is not None and ahead.reason == reason
+    with pytest.raises(h1.H1Error):
+        while s.next_event() is not h1.NEED_DATA:
+            pass
+
+
+def test_refusal_ahead_is_none_for_a_good_body_a_body_not_here_yet_and_after_the_end() -> None:
+    s = h1.H1Server(1024)
+    s.receive_data(CHUNKED_HEAD + b"5\r\nhello\r\n")
+    assert isinstance(s.next_event(), h1.Request)
+    assert s.refusal_ahead() is None  # nothing wrong so far
+    assert isinstance(s.next_event(), h1.Data)
+    s.receive_data(b" 3\r\nabc\r\n0\r\n\r\n")  # the bad size comes after the head and some body went
+    assert s.refusal_ahead() is not None
+    with pytest.raises(h1.H1Error):
+        s.next_event()
+    good = h1.H1Server(1024)
+    good.receive_data(CHUNKED_HEAD + b"5\r\nhello\r\n0\r\n\r\nGET / HTTP/1.1\r\nX\x00: 1\r\n\r\n")
+    assert isinstance(good.next_event(), h1.Request)
+    assert good.refusal_ahead() is None  # the broken request after this one's end is not this one's
+    assert isinstance(good.next_event(), h1.Data) and isinstance(good.next_event(), h1.EndOfMessage)
+    assert good.refusal_ahead() is None
+
+
+@pytest.mark.parametrize("option", [b"Content-Length", b"transfer-encoding", b"HOST", b"close, Content-Length",
+                                    b"keep-alive,transfer-encoding"])
+def test_a_connection_option_naming_a_framing_header_is_400_however_cut(option: bytes) -> None:
+    framing = b"Content-Length: 5\r\n\r\nhello" if b"ength" in option or b"HOST" in option else \
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    raw = (b"POST /u HTTP/1.1\r\n" + HOST + b"Connection: " + option + b"\r\n" + framing
+           + b"GET /next HTTP/1.1\r\n" + HOST)
+    for pieces in chunkings(raw, [20, 40, 60]):
+        events, refused = _events_until_refusal(h1.H1Server(1024), [*pieces, b""])
+        assert events == [] and refused is not None, (pieces, events)  # refused at its head: no Request event
+        assert (refused.reason, refused.http_status, refused.method) == ("connection_names_framing", 400, b"POST")
+
+
+def test_a_response_that_names_its_framing_in_connection_or_frames_in_trailers_is_refused() -> None:
+    for raw in (b"HTTP/1.1 200 OK\r\nConnection: content-length\r\nContent-Length: 2\r\n\r\nok",
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nHost: x\r\n\r\n"):
+        with pytest.raises(h1.H1Error) as e:
+            client_events("GET", [raw])
+        assert (e.value.reason, e.value.http_status) == ("bad_response", 502)
+
+
+def test_end_to_end_drops_hop_by_hop_headers_and_what_connection_names_and_nothing_else() -> None:
+    headers = [(b"host", b"a.test"), (b"connection", b"close, X-Forwarded-For, x-custom"), (b"x-custom", b"1"),
+               (b"X-Forwarded-For", b"6.6.6.6"), (b"keep-alive", b"5"), (b"te", b"trailers"), (b"accept", b"*/*"),
+               (b"upgrade", b"websocket"), (b"proxy-authorization", b"x")]
+    assert h1.end_to_end(headers) == [(b"host", b"a.test"), (b"accept", b"*/*")]
+    assert h1.end_to_end(headers, keep_upgrade=True) == [(b"host", b"a.test"), (b"accept", b"*/*"),
+                                                        (b"upgrade", b"websocket")]
