@@ -7,6 +7,8 @@ scheduler's client (``scheduler_routes.SchedulerRoutes``) implements the same tw
 
 ``Waker`` coalesces wakes: one call to the source per sandbox however many requests wait, the waiters
 bounded per sandbox (past the bound a request is answered 503 at once rather than queued without limit).
+``Lookups`` coalesces route lookups the same way: one lookup per sandbox in flight; every request that
+misses the cache meanwhile waits for it and gets its answer, or its error.
 """
 
 from __future__ import annotations
@@ -121,3 +123,35 @@ class Waker:
                 self._waiting[sandbox] = left
             else:
                 del self._waiting[sandbox]
+
+
+class Lookups:
+    """One ``source.lookup`` per sandbox in flight: a request that misses the cache while a lookup for
+    its sandbox is under way waits for that one and gets its ``Lookup`` or its ``RouteLookupFailed``.
+    A waiter that gives up (its client left) does not cancel the lookup for the others."""
+
+    def __init__(self, source: RouteSource, *, on_call: Callable[[], None] | None = None) -> None:
+        self.source = source
+        self.on_call = on_call  # told of each lookup sent to the source (metrics: route_lookups)
+        self._inflight: dict[str, asyncio.Task[Lookup]] = {}
+        self.calls = 0  # lookups sent to the source
+
+    def _finished(self, sandbox: str, task: asyncio.Task[Lookup]) -> Callable[[asyncio.Task[Lookup]], None]:
+        def done(_task: asyncio.Task[Lookup]) -> None:
+            if self._inflight.get(sandbox) is task:
+                del self._inflight[sandbox]
+            if not _task.cancelled():
+                _task.exception()  # retrieved: every waiter may have given up before it ended
+
+        return done
+
+    async def lookup(self, sandbox: str) -> Lookup:
+        task = self._inflight.get(sandbox)
+        if task is None:
+            self.calls += 1
+            if self.on_call is not None:
+                self.on_call()
+            task = asyncio.create_task(self.source.lookup(sandbox), name=f"route-lookup-{sandbox}")
+            self._inflight[sandbox] = task
+            task.add_done_callback(self._finished(sandbox, task))
+        return await asyncio.shield(task)

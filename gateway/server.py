@@ -47,7 +47,7 @@ from gateway.http2 import H2Session
 from gateway.names import NameRefused, Names
 from gateway.relay import relay
 from gateway.route_cache import RouteCache
-from gateway.route_source import RouteLookupFailed, RouteSource, Waker, WakeRefused
+from gateway.route_source import Lookups, RouteLookupFailed, RouteSource, Waker, WakeRefused
 from gateway.routing import Forward, RawForward, decide_connection
 from gateway.tls_front import NEED_MORE, FrontTls, HelloName, hello_server_name
 from gateway.upstream import Upstream, UpstreamFailed, UpstreamPolicy, open_upstream
@@ -121,6 +121,9 @@ class GatewayMetrics:
         self.rechecks = Counter("sbxnet_gateway_route_rechecks",
                                 "Routes looked up afresh after a failed connect", registry=r)
         self.cache = Counter("sbxnet_gateway_route_cache", "Route lookups by result", ["result"], registry=r)
+        self.route_lookups = Counter("sbxnet_gateway_route_lookups",
+                                     "Route lookups sent to the route source (one per sandbox in flight)",
+                                     registry=r)
         self.pool_takes = Counter("sbxnet_gateway_pool_takes", "Warm pool takes by result (hit, miss, stale)",
                                   ["result"], registry=r)
         self.pool_links = Gauge("sbxnet_gateway_pool_links", "Ready links in the warm pool", registry=r,
@@ -153,6 +156,7 @@ class GatewayServer:
         self.metrics = metrics or GatewayMetrics()
         self.cache: RouteCache[Route] = RouteCache()
         self.waker = Waker(config.routes, max_waiting=config.max_waiting_per_sandbox, wait=config.wake_wait)
+        self.lookups = Lookups(config.routes, on_call=self.metrics.route_lookups.inc)
         self._acceptor = Acceptor(self._serve, max_connections=config.max_connections, log=log, name="gateway-accept")
         self._per_sandbox: dict[str, int] = {}
         self._draining = False
@@ -355,7 +359,7 @@ class GatewayServer:
             self.metrics.count_cache("hit" if hit.route is not None else "negative_hit")
             return hit.route
         self.metrics.count_cache("miss")
-        found = await self.config.routes.lookup(sandbox)
+        found = await self.lookups.lookup(sandbox)  # one per sandbox in flight; the rest wait for it
         if found.route is None:
             self.cache.put_unknown(sandbox, found.ttl, loop.time())
         else:

@@ -234,3 +234,51 @@ async def test_scheduler_routes_client_answers(pki: Pki, tmp_path: Path) -> None
         await routes.close()
         await client.close()
         await sched.stop()
+
+
+async def _open_clients(c: Chain, host: str, n: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    ctx = ssl.create_default_context(cafile=str(c.pki.ca_file))
+    ctx.set_alpn_protocols(["http/1.1"])
+    return list(await asyncio.gather(*(asyncio.open_connection("127.0.0.1", c.gw.port, ssl=ctx, server_hostname=host)
+                                       for _ in range(n))))
+
+
+async def _status_of(reader: asyncio.StreamReader) -> int:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    return int(head.split(b" ", 2)[1])
+
+
+async def test_fifty_requests_for_an_uncached_sandbox_make_one_lookup(pki: Pki, tmp_path: Path) -> None:
+    """50 requests for a sandbox not in the route cache, sent at once on connections already open: the
+    scheduler answers one lookup (its own count), and every request is answered from it. The route's
+    max-age is long, so a request that came after the lookup would hit the cache, never look again."""
+    sched = await SchedulerApp(lambda: SqliteStore(tmp_path / "s.db"), sched_pki(pki), route_cache_s=60,
+                               gateway_allow=(GATEWAY_SAN,)).start()
+    fwd = ForwarderThread(forwarder_settings(pki))
+    url, ctx = sched.url, gateway_client_ctx(pki)
+    gw = GatewayThread(pki, None, routes=lambda: SchedulerRoutes(url, ctx), header_timeout=5.0)
+    c = Chain(pki, sched, fwd, gw)
+    app = EchoHttp()
+    clients: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        await register(c, "many", app.port)
+        host = f"many.{DOMAIN}"
+        clients = await _open_clients(c, host, 50)
+        assert sched.service is not None
+        before = sched.service.counters["route_lookups"]
+        for i, (_, w) in enumerate(clients):
+            w.write(f"GET /r{i} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        await asyncio.gather(*(w.drain() for _, w in clients))
+        statuses = await asyncio.gather(*(_status_of(r) for r, _ in clients))
+        assert statuses == [200] * 50
+        assert sched.service.counters["route_lookups"] - before == 1
+        assert gw.sample("sbxnet_gateway_route_cache_total", {"result": "miss"}) == 50
+        assert gw.sample("sbxnet_gateway_route_lookups_total") == 1
+    finally:
+        for _, w in clients:
+            w.close()
+        app.stop()
+        await c.close()
+        await asyncio.to_thread(gw.stop)
+        await asyncio.to_thread(fwd.stop)
+        await sched.stop()
