@@ -214,20 +214,23 @@ class ConnectionSequence:
                 try:
                     seq.receive_eof()
                 except PreambleError as e:  # the peer is gone: no status, the link is reset
-                    raise self._preamble_refusal(e, status=None) from None
+                    raise self._preamble_refusal(e, status=None, started=seq.started) from None
             except ssl.SSLError as e:
                 raise RemoteProtocolError("tls_error", e.reason or "") from None
             except OSError as e:
                 raise RemoteProtocolError("reset", e.strerror or "") from None
         except PreambleError as e:
-            raise self._preamble_refusal(e, status=e.status_hint) from None
+            raise self._preamble_refusal(e, status=e.status_hint, started=seq.started) from None
         except RemoteProtocolError as e:  # eof, reset or an undecryptable record before the preamble
-            raise self._preamble_refusal(e, status=None) from None
+            raise self._preamble_refusal(e, status=None, started=seq.started) from None
 
     @staticmethod
-    def _preamble_refusal(e: RemoteProtocolError, *, status: Status | None) -> Refusal:
+    def _preamble_refusal(e: RemoteProtocolError, *, status: Status | None, started: bool) -> Refusal:
+        """``no_preamble`` when not one byte of it came (no preamble was sent, so none was bad: a pooled
+        link retired, a gateway that refused our key), ``bad_preamble`` otherwise; the reason is counted
+        in ``preamble_rejects`` either way."""
         return Refusal(
-            Outcome.BAD_PREAMBLE,
+            Outcome.BAD_PREAMBLE if started else Outcome.NO_PREAMBLE,
             e.reason,
             "preamble refused",
             "preamble_refused",
