@@ -3,9 +3,12 @@
 One attempt: TCP to the forwarder (``sbxnet.connect``: a fresh SYN every 50 ms while unanswered, the
 5 ms → 50 ms backoff while refused), mutual TLS 1.3 with the forwarder's key pinned from the route (not
 just its CA), the preamble, the status (``sbxnet.protocol.link.GatewaySequence``). A refused or
-unanswered connect, a failed handshake or pin check, and a NOT_LISTENING or UNAVAILABLE status are tried
-again with the same backoff, jittered, until the route's deadline; FORBIDDEN, BAD_PREAMBLE, INTERNAL or
-a malformed status are not (another attempt would be refused the same way).
+unanswered connect, a failed handshake, and a NOT_LISTENING or UNAVAILABLE status are tried again with
+the same backoff, jittered, until the route's deadline; FORBIDDEN, BAD_PREAMBLE, INTERNAL or a malformed
+status are not (another attempt would be refused the same way). Nor is a pin mismatch: the forwarder at
+that address has another key than the route says, which no retry changes; the route is looked up once
+more (it may name the sandbox's new host, or the host's next key) and, if it still names that key, the
+answer is 502 with no further handshake.
 
 Nothing from the client is sent before OK, so a retry never repeats a request. The caller gets the
 open streams and any tenant bytes that arrived with the status, or ``UpstreamFailed`` carrying the
@@ -158,6 +161,9 @@ async def open_upstream(
                                                         timeout=policy.status_timeout).start()
                     deadline = loop.time() + fresh.connect_deadline_s
                     continue
+            if r.reason == "pin_mismatch":  # not transient: the route, looked up again, names that key still
+                raise UpstreamFailed("pin_mismatch", "the sandbox's host has another key than its route names",
+                                     http_status=502, retry_after=None, attempts=attempts) from None
             wait = min(next(waits), deadline - loop.time())
             if wait > 0:
                 await asyncio.sleep(wait)
