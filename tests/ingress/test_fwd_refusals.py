@@ -221,6 +221,27 @@ def test_not_listening_gets_status_and_leaks_nothing(make_forwarder: MakeForward
     assert fwd.sample("sbxnet_forwarder_connect_attempts_total") >= 3 * 4
 
 
+def test_the_preambles_deadline_shortens_the_connect_never_lengthens_it(make_forwarder: MakeForwarder,
+                                                                        pki: Pki) -> None:
+    """The gateway says how long it still waits (the deadline TLV): the connect gives up by then, so the
+    gateway hears NOT_LISTENING while it listens. A deadline past the forwarder's own is cut to its own.
+    Times are the forwarder's (its connect_seconds histogram)."""
+    fwd = make_forwarder(connect_deadline=3.0)
+    app = SandboxApp(_never, listen=False)
+    client = GwClient(fwd.port, pki.client_ctx())
+    assert client.open(preamble_for(app.port, deadline_ms=400)) is Status.NOT_LISTENING
+    client.close()
+    fwd.wait_idle()
+    took = fwd.sample("sbxnet_forwarder_connect_seconds_sum", {"result": "failed"})
+    assert 0.35 < took < 2.0, took  # 0.4 s, not the forwarder's 3 s
+    client = GwClient(fwd.port, pki.client_ctx())
+    assert client.open(preamble_for(app.port, deadline_ms=300_000)) is Status.NOT_LISTENING
+    client.close()
+    fwd.wait_idle()
+    longer = fwd.sample("sbxnet_forwarder_connect_seconds_sum", {"result": "failed"}) - took
+    assert 2.9 < longer < 10.0, longer  # its own 3 s, not the 300 s asked for
+
+
 def _outcomes(fwd: ForwarderThread) -> dict[str, float]:
     return {s.labels["outcome"]: s.value for m in fwd.server.metrics.registry.collect()
             if m.name == "sbxnet_forwarder_connections" for s in m.samples if s.name.endswith("_total")}
