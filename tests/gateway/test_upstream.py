@@ -260,3 +260,36 @@ def test_recheck_saying_gone_is_503_at_once(pki: Pki, forwarders: list[Forwarder
                                   policy(pki), recheck=recheck))
     assert (failed.value.reason, failed.value.http_status) == ("sandbox_gone", 503)
     assert time.monotonic() - t0 < 4.0  # not the 5 s deadline
+
+
+def test_the_route_is_looked_up_once_more_before_answering(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    """The route's host refuses every connect until the deadline (no attempt got far enough to be
+    rechecked); before answering 503 the route is looked up once more, and it names the sandbox's new
+    host: the link goes there, with the new route's own deadline."""
+    fwd = ForwarderThread(fwd_settings(pki))
+    forwarders.append(fwd)
+    app = SandboxApp(echo)
+    dead = route(free_port(), app.port, pki, deadline=0.5)
+    fresh = route(fwd.port, app.port, pki, deadline=2.0)
+    calls: list[float] = []
+
+    async def recheck() -> Route | None:
+        calls.append(time.monotonic())
+        return fresh
+
+    async def go() -> tuple[bytes, list[str]]:
+        up = await open_upstream(dead, app.port, preamble(app.port), policy(pki), rng=random.Random(1),
+                                 recheck=recheck)
+        await up.stream.write(b"hello")
+        got = up.leftover
+        while len(got) < 5:
+            got += await up.stream.read()
+        up.stream.abort()
+        return got, up.failures
+
+    t0 = time.monotonic()
+    got, failures = asyncio.run(go())
+    assert got == b"hello" and len(calls) == 1
+    assert calls[0] - t0 >= 0.5  # the lookup came at the dead route's deadline
+    assert failures and all(f.startswith("connect_") for f in failures)
+    app.join()
