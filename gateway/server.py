@@ -91,6 +91,7 @@ class GatewayConfig:
     max_connections: int = 10000
     max_connections_per_sandbox: int = 1000
     wake_wait: float = 10.0
+    route_stale_s: float = 60.0  # the scheduler unreachable: the last route it gave, served for this long
     max_waiting_per_sandbox: int = 256
     pool_size: int = 0  # ready links kept per forwarder (gateway/upstream_pool.py); 0: no warm pool
     pool_idle: float = 20.0  # a pooled link unused this long is retired
@@ -143,7 +144,7 @@ class GatewayMetrics:
         child.inc()
 
     def count_cache(self, result: str) -> None:
-        """``route_cache{result}`` += 1 (hit, negative_hit, miss)."""
+        """``route_cache{result}`` += 1 (hit, negative_hit, miss, stale)."""
         child = self._cache_children.get(result)
         if child is None:
             child = self._cache_children[result] = self.cache.labels(result)
@@ -154,7 +155,7 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
-        self.cache: RouteCache[Route] = RouteCache()
+        self.cache: RouteCache[Route] = RouteCache(max_stale=config.route_stale_s)
         self.waker = Waker(config.routes, max_waiting=config.max_waiting_per_sandbox, wait=config.wake_wait)
         self.lookups = Lookups(config.routes, on_call=self.metrics.route_lookups.inc)
         self._acceptor = Acceptor(self._serve, max_connections=config.max_connections, log=log, name="gateway-accept")
@@ -359,7 +360,19 @@ class GatewayServer:
             self.metrics.count_cache("hit" if hit.route is not None else "negative_hit")
             return hit.route
         self.metrics.count_cache("miss")
-        found = await self.lookups.lookup(sandbox)  # one per sandbox in flight; the rest wait for it
+        try:
+            found = await self.lookups.lookup(sandbox)  # one per sandbox in flight; the rest wait for it
+        except RouteLookupFailed as e:
+            stale = self.cache.stale(sandbox, loop.time())
+            if stale is None:
+                raise
+            # The scheduler cannot be asked (down, restarting): the last route it gave, for a bounded time.
+            self.metrics.count_cache("stale")
+            if stale.first:
+                log.warning("route service unreachable: serving the last route it gave", extra={
+                    "event": "route_stale", "sandbox_id": sandbox, "reason": e.reason,
+                    "fields": {"age_s": round(stale.age, 3), "route_stale_s": self.config.route_stale_s}})
+            return stale.route
         if found.route is None:
             self.cache.put_unknown(sandbox, found.ttl, loop.time())
         else:
