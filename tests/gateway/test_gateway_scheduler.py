@@ -272,7 +272,8 @@ async def test_fifty_requests_for_an_uncached_sandbox_make_one_lookup(pki: Pki, 
         statuses = await asyncio.gather(*(_status_of(r) for r, _ in clients))
         assert statuses == [200] * 50
         assert sched.service.counters["route_lookups"] - before == 1
-        assert gw.sample("sbxnet_gateway_route_cache_total", {"result": "miss"}) == 50
+        # Each request missed the cache, or (on a loaded machine, read after the lookup was answered) hit it.
+        assert sum(gw.sample("sbxnet_gateway_route_cache_total", {"result": r}) for r in ("miss", "hit")) == 50
         assert gw.sample("sbxnet_gateway_route_lookups_total") == 1
     finally:
         for _, w in clients:
@@ -289,7 +290,7 @@ async def test_the_scheduler_down_serves_the_last_route_it_gave_for_a_bounded_ti
     served (counted, logged once); a name it answered "unknown" is not, nor one it never gave; past the
     bound, 503. Times: the gateway's bound runs from the last answer, which came before the test's request
     that caused it returned, so sleeping from there past the bound is past it."""
-    stale_s = 4.0
+    stale_s = 6.0
     sched = await SchedulerApp(lambda: SqliteStore(tmp_path / "s.db"), sched_pki(pki), route_cache_s=1,
                                negative_cache_s=1, gateway_allow=(GATEWAY_SAN,)).start()
     fwd = ForwarderThread(forwarder_settings(pki))
