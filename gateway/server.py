@@ -156,8 +156,9 @@ class GatewayServer:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
         self.cache: RouteCache[Route] = RouteCache(max_stale=config.route_stale_s)
-        self.waker = Waker(config.routes, max_waiting=config.max_waiting_per_sandbox, wait=config.wake_wait)
         self.lookups = Lookups(config.routes, on_call=self.metrics.route_lookups.inc)
+        self.waker = Waker(config.routes, max_waiting=config.max_waiting_per_sandbox, wait=config.wake_wait,
+                           stamp=self.lookups.ticket)
         self._acceptor = Acceptor(self._serve, max_connections=config.max_connections, log=log, name="gateway-accept")
         self._per_sandbox: dict[str, int] = {}
         self._draining = False
@@ -353,7 +354,10 @@ class GatewayServer:
 
     # -- what sessions call ------------------------------------------------------------------------
 
-    async def route(self, sandbox: str) -> Route | None:
+    async def route(self, sandbox: str, *, started_after: int = -1) -> Route | None:
+        """The route from the cache, or looked up (one lookup per sandbox in flight; ``started_after``: a
+        ``Lookups.ticket`` the lookup must be newer than), or the last route known while the scheduler
+        cannot be reached; ``RouteLookupFailed`` otherwise."""
         loop = asyncio.get_running_loop()
         hit = self.cache.get(sandbox, loop.time())
         if hit is not None:
@@ -361,7 +365,7 @@ class GatewayServer:
             return hit.route
         self.metrics.count_cache("miss")
         try:
-            found = await self.lookups.lookup(sandbox)  # one per sandbox in flight; the rest wait for it
+            found = await self.lookups.lookup(sandbox, started_after=started_after)
         except RouteLookupFailed as e:
             stale = self.cache.stale(sandbox, loop.time())
             if stale is None:
@@ -386,7 +390,7 @@ class GatewayServer:
         """Wake ``sandbox`` (coalesced) and return its fresh route once active, or None."""
         calls = self.waker.calls
         try:
-            state = await self.waker.wake(sandbox)
+            state, ticket = await self.waker.wake_stamped(sandbox)
         except WakeRefused:
             return None
         finally:
@@ -394,7 +398,9 @@ class GatewayServer:
         if state != "active":
             return None
         self.invalidate(sandbox)
-        route = await self.route(sandbox)
+        # A lookup begun while the wake ran may answer "waking": the route comes from one begun after
+        # the wake was answered (the waiters share it).
+        route = await self.route(sandbox, started_after=ticket)
         return route if route is not None and route.state == "active" else None
 
     async def open_upstream(self, fwd: Forward, peer: tuple[str, int], conn_id: str) -> Upstream:

@@ -165,3 +165,37 @@ def test_a_waiter_leaving_does_not_cancel_the_lookup_for_the_others() -> None:
         return answer
 
     assert asyncio.run(main()) == Lookup(None, 1)
+
+
+def test_a_lookup_begun_before_a_ticket_is_not_joined_one_begun_after_it_is() -> None:
+    """After a wake, the route must come from a lookup begun after the wake's answer: one begun while
+    the wake ran may say "waking". Callers with the same ticket share the new lookup."""
+    async def main() -> None:
+        src = SlowLookups(0.05)
+        lookups = Lookups(src)
+        early = asyncio.create_task(lookups.lookup("a"))
+        await asyncio.sleep(0.01)  # the early lookup is in flight ...
+        ticket = lookups.ticket()  # ... when the event happens
+        joined = asyncio.create_task(lookups.lookup("a"))  # no ticket: joins the early one
+        late = [asyncio.create_task(lookups.lookup("a", started_after=ticket)) for _ in range(5)]
+        await asyncio.gather(early, joined, *late)
+        assert src.lookups == ["a", "a"] and lookups.calls == 2
+
+    asyncio.run(main())
+
+
+def test_every_waiter_of_a_wake_gets_the_stamp_taken_when_it_was_answered() -> None:
+    async def main() -> None:
+        count = [0]
+
+        def stamp() -> int:
+            count[0] += 1
+            return count[0]
+
+        waker = Waker(CountingSource(0.05), stamp=stamp)
+        answers = await asyncio.gather(*(waker.wake_stamped("a") for _ in range(10)))
+        assert answers == [("active", 1)] * 10  # read once, when the one wake was answered
+        assert await waker.wake_stamped("a") == ("active", 2)
+        assert await Waker(CountingSource(0.0)).wake_stamped("a") == ("active", -1)
+
+    asyncio.run(main())
