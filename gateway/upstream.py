@@ -265,7 +265,8 @@ async def _exchange(stream: TlsStream, t: _Target, policy: UpstreamPolicy) -> tu
 
 
 def _give_up(failures: list[str], attempts: int) -> UpstreamFailed:
-    last = failures[-1] if failures else "deadline"
+    # A pooled link's failure is named pooled_<why>; the answer is the same as for a fresh link's.
+    last = failures[-1].removeprefix("pooled_") if failures else "deadline"
     if last == "status_timeout":
         return UpstreamFailed(last, "the forwarder did not answer", http_status=504, retry_after=None,
                               attempts=attempts)

@@ -136,3 +136,28 @@ async def test_a_sandbox_moved_to_another_host_is_answered_from_its_new_one(pki:
         await asyncio.to_thread(host_b.stop)
         on_b.stop()
         await sched.stop()
+
+
+def test_a_pooled_link_to_a_sandbox_whose_program_is_down_is_answered_the_same(pki: Pki, tmp_path: Path) -> None:
+    """With the warm pool, the first attempt rides a ready link: its NOT_LISTENING at the deadline is
+    answered as a fresh link's is (503, Retry-After, reason not_listening)."""
+    fwd = ForwarderThread(forwarder_settings(pki, connect_deadline=FORWARDER_DEADLINE))
+    down = SandboxApp(lambda conn: None, listen=False)
+    routes = tmp_path / "routes.json"
+    routes.write_text(json.dumps({"sandboxes": {
+        "down": registration(pki, fwd.port, {down.port: ("http", "public")}, default=down.port, deadline=1.0)}}))
+    gw = GatewayThread(pki, routes, pool_size=1)
+    try:
+        assert asyncio.run(get(pki, gw, f"down.{DOMAIN}"))[0] == 503  # a miss: the pool fills meanwhile
+        deadline = time.monotonic() + 10
+        while gw.server.pool is not None and gw.server.pool.total < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with gateway_log(gw) as log:
+            status, headers, _ = asyncio.run(get(pki, gw, f"down.{DOMAIN}"))
+            (line,) = request_lines(log, 1)
+        assert status == 503 and headers.get("Retry-After") == "1"
+        assert line["reason"] == "not_listening", line
+        assert gw.sample("sbxnet_gateway_pool_takes_total", {"result": "hit"}) == 1
+    finally:
+        gw.stop()
+        fwd.stop()
