@@ -4,13 +4,16 @@ retries that ride out a cold start (forwarder or sandbox not up yet) without eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import random
 import socket
+import ssl
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -293,3 +296,46 @@ def test_the_route_is_looked_up_once_more_before_answering(pki: Pki, forwarders:
     assert calls[0] - t0 >= 0.5  # the lookup came at the dead route's deadline
     assert failures and all(f.startswith("connect_") for f in failures)
     app.join()
+
+
+def test_a_forwarder_that_never_answers_is_504_after_the_deadline_and_its_grace(pki: Pki) -> None:
+    """A peer with the forwarder's key that takes the preamble and never sends a status (a hung
+    forwarder): the wait ends at the deadline plus ``status_grace``, the route is looked up once more,
+    and the answer is 504. The peer is plain TLS (ssl module) with the forwarder's certificate."""
+    cert, key = pki.paths["forwarder"]
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    held: list[ssl.SSLSocket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                tls = ctx.wrap_socket(conn, server_side=True)
+                tls.recv(4096)  # the preamble; no status, ever
+                held.append(tls)
+
+    threading.Thread(target=serve, daemon=True).start()
+    calls: list[float] = []
+    r = route(port, 9, pki, deadline=0.5)
+
+    async def recheck() -> Route | None:
+        calls.append(time.monotonic())
+        return r
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(UpstreamFailed) as e:
+            asyncio.run(open_upstream(r, 9, preamble(9), replace(policy(pki), status_grace=0.5), recheck=recheck))
+        took = time.monotonic() - t0
+    finally:
+        listener.close()
+        for tls in held:
+            tls.close()
+    assert (e.value.http_status, e.value.reason, e.value.retry_after) == (504, "status_timeout", None)
+    assert 0.95 <= took < 5.0, took  # the 0.5 s deadline and the 0.5 s grace
+    assert len(calls) == 2  # after the first failure, and once more before answering
+    assert len(held) == 1  # no second attempt: the deadline had passed
