@@ -10,7 +10,14 @@ caches nothing, so a malformed header costs a lookup, never a stale route.
 
 Bounded: at most ``max_entries`` (the least recently used goes first) and no entry lives longer than
 ``max_ttl`` whatever the header says. Counters (``stats``) for metrics: hits, negative_hits, misses,
-expired, evictions, invalidations.
+expired, evictions, invalidations, stale.
+
+The last route known (``max_stale``, 0: none): besides the entries, the cache remembers the last route
+the source gave for each sandbox (``max_entries`` of them, LRU, apart from the entries), and ``stale``
+hands it out for ``max_stale`` seconds from when the source gave it, for a caller whose lookup failed
+(the scheduler down or restarting). An answer "unknown" forgets it at once, a new route replaces it, and
+an answer the source said not to cache (a TTL of 0) forgets it: a stale route is only ever the one the
+source last gave, and never served for a name the source since said it does not know.
 """
 
 from __future__ import annotations
@@ -52,6 +59,22 @@ def ttl_from_cache_control(value: str | bytes | None, *, default: float) -> floa
 
 
 @dataclass(frozen=True)
+class Stale(Generic[V]):
+    """The last route the source gave, served while it cannot be asked."""
+
+    route: V
+    age: float  # seconds since the source gave it
+    first: bool  # the first time it is served stale since the source gave it (say so once)
+
+
+@dataclass
+class _Known(Generic[V]):
+    route: V
+    given_at: float
+    served: bool = False
+
+
+@dataclass(frozen=True)
 class Hit(Generic[V]):
     """A cached answer: ``route`` is the route, or None when the scheduler said the sandbox is unknown."""
 
@@ -62,20 +85,25 @@ class Hit(Generic[V]):
 class RouteCache(Generic[V]):
     """``sandbox -> Hit`` with expiry at ``now + ttl`` and LRU eviction past ``max_entries``."""
 
-    def __init__(self, *, max_entries: int = 10_000, max_ttl: float = 60.0) -> None:
+    def __init__(self, *, max_entries: int = 10_000, max_ttl: float = 60.0, max_stale: float = 0.0) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ConfigError(f"gateway.route_cache_entries = {max_entries!r}: a positive integer")
         if not math.isfinite(max_ttl) or max_ttl <= 0:
             raise ConfigError(f"gateway.route_cache_max_ttl_s = {max_ttl!r}: a positive number of seconds")
+        if not math.isfinite(max_stale) or max_stale < 0:
+            raise ConfigError(f"gateway.route_stale_s = {max_stale!r}: 0 or a positive number of seconds")
         self.max_entries = max_entries
         self.max_ttl = float(max_ttl)
+        self.max_stale = float(max_stale)
         self._entries: OrderedDict[str, Hit[V]] = OrderedDict()
+        self._known: OrderedDict[str, _Known[V]] = OrderedDict()
         self.hits = 0
         self.negative_hits = 0
         self.misses = 0
         self.expired = 0
         self.evictions = 0
         self.invalidations = 0
+        self.stale_served = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -98,12 +126,38 @@ class RouteCache(Generic[V]):
         return hit
 
     def put_found(self, sandbox: str, route: V, ttl: float, now: float) -> None:
-        """Cache ``route`` for ``ttl`` seconds (capped at ``max_ttl``); a TTL of 0 or less removes the entry."""
+        """Cache ``route`` for ``ttl`` seconds (capped at ``max_ttl``); a TTL of 0 or less removes the entry.
+        It is the last route known for ``sandbox`` from ``now`` (with a TTL of 0 or less, none is)."""
         self._put(sandbox, route, ttl, now)
+        if self.max_stale > 0 and ttl > 0 and math.isfinite(now):
+            self._known[sandbox] = _Known(route, now)
+            self._known.move_to_end(sandbox)
+            while len(self._known) > self.max_entries:
+                self._known.popitem(last=False)
+        else:
+            self._known.pop(sandbox, None)
 
     def put_unknown(self, sandbox: str, ttl: float, now: float) -> None:
-        """Cache "unknown sandbox" for ``ttl`` seconds (capped at ``max_ttl``)."""
+        """Cache "unknown sandbox" for ``ttl`` seconds (capped at ``max_ttl``); no route is known for it
+        any more, stale or not."""
         self._put(sandbox, None, ttl, now)
+        self._known.pop(sandbox, None)
+
+    def stale(self, sandbox: str, now: float) -> Stale[V] | None:
+        """The last route the source gave for ``sandbox``, if it gave it less than ``max_stale`` seconds
+        before ``now`` (counted: ``stale``); None otherwise. For a caller whose lookup failed."""
+        known = self._known.get(sandbox)
+        if known is None:
+            return None
+        age = now - known.given_at
+        if not 0 <= age < self.max_stale:
+            del self._known[sandbox]
+            return None
+        first = not known.served
+        known.served = True
+        self._known.move_to_end(sandbox)
+        self.stale_served += 1
+        return Stale(known.route, age, first)
 
     def _put(self, sandbox: str, route: V | None, ttl: float, now: float) -> None:
         if not ttl > 0 or not math.isfinite(now):  # `not >` so that NaN caches nothing too
@@ -128,6 +182,8 @@ class RouteCache(Generic[V]):
         for k in dead:
             del self._entries[k]
         self.expired += len(dead)
+        for k in [k for k, known in self._known.items() if not 0 <= now - known.given_at < self.max_stale]:
+            del self._known[k]  # too old to be served stale: forgotten (not counted as an entry)
         return len(dead)
 
     def stats(self) -> dict[str, int]:
@@ -139,4 +195,6 @@ class RouteCache(Generic[V]):
             "expired": self.expired,
             "evictions": self.evictions,
             "invalidations": self.invalidations,
+            "known": len(self._known),
+            "stale": self.stale_served,
         }

@@ -72,6 +72,7 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
         max_connections=s.max_connections,
         max_connections_per_sandbox=s.max_connections_per_sandbox,
         wake_wait=s.wake_wait,
+        route_stale_s=s.route_stale_s,
         pool_size=s.upstream_pool_size,
         pool_idle=s.upstream_pool_idle,
         pool_max=s.upstream_pool_max,

@@ -47,7 +47,7 @@ from gateway.http2 import H2Session
 from gateway.names import NameRefused, Names
 from gateway.relay import relay
 from gateway.route_cache import RouteCache
-from gateway.route_source import RouteLookupFailed, RouteSource, Waker, WakeRefused
+from gateway.route_source import Lookups, RouteLookupFailed, RouteSource, Waker, WakeRefused
 from gateway.routing import Forward, RawForward, decide_connection
 from gateway.tls_front import NEED_MORE, FrontTls, HelloName, hello_server_name
 from gateway.upstream import Upstream, UpstreamFailed, UpstreamPolicy, open_upstream
@@ -91,6 +91,7 @@ class GatewayConfig:
     max_connections: int = 10000
     max_connections_per_sandbox: int = 1000
     wake_wait: float = 10.0
+    route_stale_s: float = 60.0  # the scheduler unreachable: the last route it gave, served for this long
     max_waiting_per_sandbox: int = 256
     pool_size: int = 0  # ready links kept per forwarder (gateway/upstream_pool.py); 0: no warm pool
     pool_idle: float = 20.0  # a pooled link unused this long is retired
@@ -121,6 +122,9 @@ class GatewayMetrics:
         self.rechecks = Counter("sbxnet_gateway_route_rechecks",
                                 "Routes looked up afresh after a failed connect", registry=r)
         self.cache = Counter("sbxnet_gateway_route_cache", "Route lookups by result", ["result"], registry=r)
+        self.route_lookups = Counter("sbxnet_gateway_route_lookups",
+                                     "Route lookups sent to the route source (one per sandbox in flight)",
+                                     registry=r)
         self.pool_takes = Counter("sbxnet_gateway_pool_takes", "Warm pool takes by result (hit, miss, stale)",
                                   ["result"], registry=r)
         self.pool_links = Gauge("sbxnet_gateway_pool_links", "Ready links in the warm pool", registry=r,
@@ -140,7 +144,7 @@ class GatewayMetrics:
         child.inc()
 
     def count_cache(self, result: str) -> None:
-        """``route_cache{result}`` += 1 (hit, negative_hit, miss)."""
+        """``route_cache{result}`` += 1 (hit, negative_hit, miss, stale)."""
         child = self._cache_children.get(result)
         if child is None:
             child = self._cache_children[result] = self.cache.labels(result)
@@ -151,8 +155,10 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
-        self.cache: RouteCache[Route] = RouteCache()
-        self.waker = Waker(config.routes, max_waiting=config.max_waiting_per_sandbox, wait=config.wake_wait)
+        self.cache: RouteCache[Route] = RouteCache(max_stale=config.route_stale_s)
+        self.lookups = Lookups(config.routes, on_call=self.metrics.route_lookups.inc)
+        self.waker = Waker(config.routes, max_waiting=config.max_waiting_per_sandbox, wait=config.wake_wait,
+                           stamp=self.lookups.ticket)
         self._acceptor = Acceptor(self._serve, max_connections=config.max_connections, log=log, name="gateway-accept")
         self._per_sandbox: dict[str, int] = {}
         self._draining = False
@@ -348,14 +354,29 @@ class GatewayServer:
 
     # -- what sessions call ------------------------------------------------------------------------
 
-    async def route(self, sandbox: str) -> Route | None:
+    async def route(self, sandbox: str, *, started_after: int = -1) -> Route | None:
+        """The route from the cache, or looked up (one lookup per sandbox in flight; ``started_after``: a
+        ``Lookups.ticket`` the lookup must be newer than), or the last route known while the scheduler
+        cannot be reached; ``RouteLookupFailed`` otherwise."""
         loop = asyncio.get_running_loop()
         hit = self.cache.get(sandbox, loop.time())
         if hit is not None:
             self.metrics.count_cache("hit" if hit.route is not None else "negative_hit")
             return hit.route
         self.metrics.count_cache("miss")
-        found = await self.config.routes.lookup(sandbox)
+        try:
+            found = await self.lookups.lookup(sandbox, started_after=started_after)
+        except RouteLookupFailed as e:
+            stale = self.cache.stale(sandbox, loop.time())
+            if stale is None:
+                raise
+            # The scheduler cannot be asked (down, restarting): the last route it gave, for a bounded time.
+            self.metrics.count_cache("stale")
+            if stale.first:
+                log.warning("route service unreachable: serving the last route it gave", extra={
+                    "event": "route_stale", "sandbox_id": sandbox, "reason": e.reason,
+                    "fields": {"age_s": round(stale.age, 3), "route_stale_s": self.config.route_stale_s}})
+            return stale.route
         if found.route is None:
             self.cache.put_unknown(sandbox, found.ttl, loop.time())
         else:
@@ -369,7 +390,7 @@ class GatewayServer:
         """Wake ``sandbox`` (coalesced) and return its fresh route once active, or None."""
         calls = self.waker.calls
         try:
-            state = await self.waker.wake(sandbox)
+            state, ticket = await self.waker.wake_stamped(sandbox)
         except WakeRefused:
             return None
         finally:
@@ -377,7 +398,9 @@ class GatewayServer:
         if state != "active":
             return None
         self.invalidate(sandbox)
-        route = await self.route(sandbox)
+        # A lookup begun while the wake ran may answer "waking": the route comes from one begun after
+        # the wake was answered (the waiters share it).
+        route = await self.route(sandbox, started_after=ticket)
         return route if route is not None and route.state == "active" else None
 
     async def open_upstream(self, fwd: Forward, peer: tuple[str, int], conn_id: str) -> Upstream:

@@ -30,6 +30,9 @@ class GatewaySettings(BaseSettings):
     scheduler_key_file: FilePath | None = None
     scheduler_ca_file: FilePath | None = Field(None, description="CA its certificate chains to (default upstream_ca)")
     scheduler_timeout: float = Field(2.0, gt=0, le=60, description="a route lookup's time-out")
+    route_stale_s: float = Field(
+        60.0, ge=0, le=3600, description="while the scheduler cannot be reached, serve the last route it gave "
+                                         "for a sandbox for up to this long after it gave it; 0: never")
     upstream_cert_file: FilePath = Field(description="the gateway's client certificate for the forwarder link")
     upstream_key_file: FilePath
     upstream_ca_file: FilePath = Field(description="CA the forwarders' certificates chain to (and are pinned)")

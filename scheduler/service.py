@@ -131,7 +131,7 @@ class SchedulerService:
         self._timer_task: asyncio.Task[None] | None = None
         self.counters: dict[str, int] = {
             "events": 0, "wakes": 0, "driver_starts": 0, "timer_fires": 0, "store_errors": 0, "resyncs": 0,
-            "sources_forgotten": 0,
+            "sources_forgotten": 0, "route_lookups": 0,
         }
         self.state_counts: dict[str, int] = {}  # by state, as of the timer loop's last count (metrics)
 
@@ -219,7 +219,8 @@ class SchedulerService:
         return await self.reader_thread.run(fn, self.reader, *args, bounded=bounded)
 
     async def lookup(self, sandbox: str) -> Route | None:
-        """``route`` read without waiting behind a write."""
+        """``route`` read without waiting behind a write (counted: ``route_lookups``)."""
+        self.counters["route_lookups"] += 1
         return await self.read(self._route_in, sandbox)
 
     # -- the registry ---------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 TLS handshake within ``handshake_timeout``; the peer's SAN against the allowlist; the preamble's first
 byte within ``preamble_idle_timeout`` (a gateway's warm pool holds links before it has requests for
 them), the whole preamble within ``preamble_timeout`` of that byte and ``preamble_max_bytes``
-(``sbxnet.protocol.link.ForwarderSequence``); the target guard; connect with cold-start retry; one OK
-status; then the data plane. Nothing reaches a sandbox before the peer is authenticated and the
-preamble is whole and allowed.
+(``sbxnet.protocol.link.ForwarderSequence``); the target guard; connect with cold-start retry (within
+``connect_deadline``, or the preamble's deadline when that is shorter); one OK status; then the data
+plane. Nothing reaches a sandbox before the peer is authenticated and the preamble is whole and allowed.
 
 A plane that can start a tunnel and tell of its end later (``start``: the userspace plane) gets it that
 way: ``run`` returns a :class:`LiveTunnel` at the handoff and the connection's task ends, so an idle
@@ -214,20 +214,23 @@ class ConnectionSequence:
                 try:
                     seq.receive_eof()
                 except PreambleError as e:  # the peer is gone: no status, the link is reset
-                    raise self._preamble_refusal(e, status=None) from None
+                    raise self._preamble_refusal(e, status=None, started=seq.started) from None
             except ssl.SSLError as e:
                 raise RemoteProtocolError("tls_error", e.reason or "") from None
             except OSError as e:
                 raise RemoteProtocolError("reset", e.strerror or "") from None
         except PreambleError as e:
-            raise self._preamble_refusal(e, status=e.status_hint) from None
+            raise self._preamble_refusal(e, status=e.status_hint, started=seq.started) from None
         except RemoteProtocolError as e:  # eof, reset or an undecryptable record before the preamble
-            raise self._preamble_refusal(e, status=None) from None
+            raise self._preamble_refusal(e, status=None, started=seq.started) from None
 
     @staticmethod
-    def _preamble_refusal(e: RemoteProtocolError, *, status: Status | None) -> Refusal:
+    def _preamble_refusal(e: RemoteProtocolError, *, status: Status | None, started: bool) -> Refusal:
+        """``no_preamble`` when not one byte of it came (no preamble was sent, so none was bad: a pooled
+        link retired, a gateway that refused our key), ``bad_preamble`` otherwise; the reason is counted
+        in ``preamble_rejects`` either way."""
         return Refusal(
-            Outcome.BAD_PREAMBLE,
+            Outcome.BAD_PREAMBLE if started else Outcome.NO_PREAMBLE,
             e.reason,
             "preamble refused",
             "preamble_refused",
@@ -265,10 +268,13 @@ class ConnectionSequence:
     async def _connect(self, opened: Opened) -> Connected:
         s = self.settings
         p = opened.preamble
+        # The gateway's deadline (the preamble's, when it sent one) shortens ours, never lengthens it: our
+        # NOT_LISTENING then comes while the gateway still waits for it.
+        deadline = s.connect_deadline if p.deadline_ms is None else min(s.connect_deadline, p.deadline_ms / 1000)
         result = await connect_with_retry(
             canonical(p.dst),
             p.dst_port,  # connect to exactly what was judged
-            deadline_s=s.connect_deadline,
+            deadline_s=deadline,
             syn_interval=s.connect_syn_interval,
             backoff_initial=s.connect_backoff_initial,
             backoff_cap=s.connect_backoff_cap,
@@ -282,7 +288,8 @@ class ConnectionSequence:
                 "sandbox not listening",
                 "not_listening",
                 status=Status.NOT_LISTENING,
-                fields={"attempts": result.attempts, "elapsed_ms": round(result.elapsed * 1000, 1)},
+                fields={"attempts": result.attempts, "elapsed_ms": round(result.elapsed * 1000, 1),
+                        "deadline_ms": round(deadline * 1000)},
             )
         return Connected(result.sock, result.attempts, result.elapsed, result.attempt_started)
 

@@ -67,6 +67,11 @@ class ForwarderSequence:
         return self._opened
 
     @property
+    def started(self) -> bool:
+        """Whether a byte of the preamble has come (a link that ends before it never began one)."""
+        return self._started
+
+    @property
     def answered(self) -> Status | None:
         return self._answered
 

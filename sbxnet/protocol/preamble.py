@@ -16,6 +16,9 @@ Wire layout (all integers big-endian)::
 TLVs, and what this profile does with them:
 
     0xE0 sandbox ID   required exactly once; 1..64 bytes of [A-Za-z0-9._-] (ASCII, hence UTF-8)
+    0xE1 deadline     optional, at most once, 4 bytes: u32 milliseconds, 1..300000, how long the
+                      gateway still waits for this connection's status; the forwarder's connect to the
+                      sandbox gives up by then (never later than its own ``connect_deadline``)
     0x05 UNIQUE_ID    optional, at most once, 1..128 bytes: the connection ID for tracing
     0x03 CRC32C       optional, at most once, 4 bytes; CRC32C (Castagnoli) of the whole preamble with
                       this field's value zeroed; must match
@@ -44,6 +47,7 @@ Reason tokens (``PreambleError.reason``; stable, counted by metrics):
     bad_sandbox_id     sandbox ID empty, longer than 64 bytes, or outside [A-Za-z0-9._-]
     bad_unique_id      UNIQUE_ID empty or longer than 128 bytes
     bad_crc            CRC32C TLV not 4 bytes, or its value does not match
+    bad_deadline       deadline TLV not 4 bytes, or its value outside 1..300000 ms
     unknown_tlv        a TLV type this profile does not know (see above)
 
 Checks run in wire order, so the first failing field names the reason; the CRC, when present, is
@@ -76,14 +80,17 @@ TLV_UNIQUE_ID = 0x05
 TLV_SSL = 0x20
 TLV_NETNS = 0x30
 TLV_SANDBOX_ID = 0xE0
+TLV_DEADLINE = 0xE1
 TLV_HEADER_LEN = 3
 
 IGNORED_TLVS = frozenset({TLV_ALPN, TLV_AUTHORITY, TLV_NOOP, TLV_SSL, TLV_NETNS})
-SINGLE_TLVS = frozenset({TLV_CRC32C, TLV_UNIQUE_ID, TLV_SANDBOX_ID})
+SINGLE_TLVS = frozenset({TLV_CRC32C, TLV_UNIQUE_ID, TLV_SANDBOX_ID, TLV_DEADLINE})
 
 SANDBOX_ID_MAX = 64
 UNIQUE_ID_MAX = 128
 CRC32C_LEN = 4
+DEADLINE_LEN = 4
+DEADLINE_MAX_MS = 300_000  # a route's connect_deadline_s is at most 300 s
 
 _SANDBOX_ID_RE = re.compile(rb"[A-Za-z0-9._-]{1,64}")
 _U16 = struct.Struct("!H")
@@ -102,6 +109,9 @@ class Preamble:
     dst_port: int
     sandbox_id: str
     connection_id: bytes | None = None
+    # How long the gateway still waits for the status, in ms (1..DEADLINE_MAX_MS): the forwarder's
+    # connect gives up by then, so its NOT_LISTENING comes while the gateway still listens.
+    deadline_ms: int | None = None
 
 
 class PreambleError(RemoteProtocolError):
@@ -237,6 +247,15 @@ def _parse_whole(data: bytes, family: int, addr_len: int) -> Preamble:
         if not 1 <= len(connection_id) <= UNIQUE_ID_MAX:
             raise PreambleError("bad_unique_id", f"{len(connection_id)} bytes")
 
+    deadline_ms = None
+    dl_at = tlvs.get(TLV_DEADLINE)
+    if dl_at is not None:
+        if dl_at[1] - dl_at[0] != DEADLINE_LEN:
+            raise PreambleError("bad_deadline", f"deadline TLV of {dl_at[1] - dl_at[0]} bytes")
+        (deadline_ms,) = _U32.unpack_from(data, dl_at[0])
+        if not 1 <= deadline_ms <= DEADLINE_MAX_MS:
+            raise PreambleError("bad_deadline", f"{deadline_ms} ms")
+
     sid_at = tlvs.get(TLV_SANDBOX_ID)
     if sid_at is None:
         raise PreambleError("missing_sandbox_id")
@@ -244,7 +263,7 @@ def _parse_whole(data: bytes, family: int, addr_len: int) -> Preamble:
     if _SANDBOX_ID_RE.fullmatch(raw_sid) is None:
         # The detail never echoes the peer's bytes: logs and metrics must not carry peer text.
         raise PreambleError("bad_sandbox_id", f"{len(raw_sid)} bytes")
-    return Preamble(src, src_port, dst, dst_port, raw_sid.decode("ascii"), connection_id)
+    return Preamble(src, src_port, dst, dst_port, raw_sid.decode("ascii"), connection_id, deadline_ms)
 
 
 # --- writing ---------------------------------------------------------------------------------------
@@ -258,7 +277,7 @@ def push_preamble(p: Preamble, *, crc32c: bool = False) -> bytes:
     """Encode ``p``; with ``crc32c`` add a CRC32C TLV. Raises ``LocalProtocolError`` (reason tokens as
     the parser's) if ``p`` is something ``pull_preamble`` would refuse.
 
-    TLVs go out in ascending type order (CRC32C, UNIQUE_ID, sandbox ID), the order other
+    TLVs go out in ascending type order (CRC32C, UNIQUE_ID, sandbox ID, deadline), the order other
     implementations canonicalise to, so their CRC recomputation agrees with ours.
     """
     if isinstance(p.src, ipaddress.IPv4Address) and isinstance(p.dst, ipaddress.IPv4Address):
@@ -281,6 +300,11 @@ def push_preamble(p: Preamble, *, crc32c: bool = False) -> bytes:
             raise LocalProtocolError("bad_unique_id", f"{len(cid)} bytes")
         tlvs += _tlv(TLV_UNIQUE_ID, cid)
     tlvs += _tlv(TLV_SANDBOX_ID, sid)
+    if p.deadline_ms is not None:
+        if isinstance(p.deadline_ms, bool) or not isinstance(p.deadline_ms, int) \
+                or not 1 <= p.deadline_ms <= DEADLINE_MAX_MS:
+            raise LocalProtocolError("bad_deadline", f"{p.deadline_ms!r} ms")
+        tlvs += _tlv(TLV_DEADLINE, _U32.pack(p.deadline_ms))
     if crc32c:
         tlvs = _tlv(TLV_CRC32C, b"\0\0\0\0") + tlvs
     addrs = p.src.packed + p.dst.packed + struct.pack("!HH", p.src_port, p.dst_port)

@@ -48,6 +48,13 @@ def seeds() -> dict[str, bytes]:
         fam=0x21, addrs=bytes(10) + b"\xff\xff\x7f\0\0\x01" + bytes(10) + b"\xff\xff\x7f\0\0\x01" + b"\0\x01\0\x01"
     )
     out["tricky-v4-all-zero-src"] = b"\0" + build(addrs=bytes(10) + V4_ADDRS[10:])
+    # the deadline TLV (0xE1): its bounds, before the sandbox ID, under a CRC, beside every other field
+    out["tricky-deadline-1ms"] = b"\0" + build(tlvs=[(0xE0, b"s"), (0xE1, b"\0\0\0\1")])
+    out["tricky-deadline-300000ms-first"] = b"\0" + build(tlvs=[(0xE1, b"\0\x04\x93\xe0"), (0xE0, b"s")])
+    out["tricky-deadline-300001ms"] = b"\0" + build(tlvs=[(0xE0, b"s"), (0xE1, b"\0\x04\x93\xe1")])
+    out["tricky-deadline-under-crc"] = b"\0" + build(tlvs=[(0x05, b"c"), (0xE0, b"s"), (0xE1, b"\0\0\x27\x10")],
+                                                      crc=True)
+    out["tricky-deadline-cut-in-value"] = b"\0" + build(tlvs=[(0xE0, b"s"), (0xE1, b"\0\0\x27\x10")])[:-1]
     out["empty"] = b""
     out["only-bound-byte"] = b"\x05"
     return out

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import DOMAIN, EchoHttp, GatewayThread, forwarder_settings, registration
+from gw_support import DOMAIN, EchoHttp, GatewayThread, forwarder_settings, gateway_log, registration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scheduler"))  # sched_support
 from fwd_support import ForwarderThread, Pki
@@ -233,4 +233,101 @@ async def test_scheduler_routes_client_answers(pki: Pki, tmp_path: Path) -> None
     finally:
         await routes.close()
         await client.close()
+        await sched.stop()
+
+
+async def _open_clients(c: Chain, host: str, n: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    ctx = ssl.create_default_context(cafile=str(c.pki.ca_file))
+    ctx.set_alpn_protocols(["http/1.1"])
+    return list(await asyncio.gather(*(asyncio.open_connection("127.0.0.1", c.gw.port, ssl=ctx, server_hostname=host)
+                                       for _ in range(n))))
+
+
+async def _status_of(reader: asyncio.StreamReader) -> int:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    return int(head.split(b" ", 2)[1])
+
+
+async def test_fifty_requests_for_an_uncached_sandbox_make_one_lookup(pki: Pki, tmp_path: Path) -> None:
+    """50 requests for a sandbox not in the route cache, sent at once on connections already open: the
+    scheduler answers one lookup (its own count), and every request is answered from it. The route's
+    max-age is long, so a request that came after the lookup would hit the cache, never look again."""
+    sched = await SchedulerApp(lambda: SqliteStore(tmp_path / "s.db"), sched_pki(pki), route_cache_s=60,
+                               gateway_allow=(GATEWAY_SAN,)).start()
+    fwd = ForwarderThread(forwarder_settings(pki))
+    url, ctx = sched.url, gateway_client_ctx(pki)
+    gw = GatewayThread(pki, None, routes=lambda: SchedulerRoutes(url, ctx), header_timeout=5.0)
+    c = Chain(pki, sched, fwd, gw)
+    app = EchoHttp()
+    clients: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        await register(c, "many", app.port)
+        host = f"many.{DOMAIN}"
+        clients = await _open_clients(c, host, 50)
+        assert sched.service is not None
+        before = sched.service.counters["route_lookups"]
+        for i, (_, w) in enumerate(clients):
+            w.write(f"GET /r{i} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        await asyncio.gather(*(w.drain() for _, w in clients))
+        statuses = await asyncio.gather(*(_status_of(r) for r, _ in clients))
+        assert statuses == [200] * 50
+        assert sched.service.counters["route_lookups"] - before == 1
+        # Each request missed the cache, or (on a loaded machine, read after the lookup was answered) hit it.
+        assert sum(gw.sample("sbxnet_gateway_route_cache_total", {"result": r}) for r in ("miss", "hit")) == 50
+        assert gw.sample("sbxnet_gateway_route_lookups_total") == 1
+    finally:
+        for _, w in clients:
+            w.close()
+        app.stop()
+        await c.close()
+        await asyncio.to_thread(gw.stop)
+        await asyncio.to_thread(fwd.stop)
+        await sched.stop()
+
+
+async def test_the_scheduler_down_serves_the_last_route_it_gave_for_a_bounded_time(pki: Pki, tmp_path: Path) -> None:
+    """The scheduler stopped: a sandbox whose route it gave less than ``route_stale_s`` ago is still
+    served (counted, logged once); a name it answered "unknown" is not, nor one it never gave; past the
+    bound, 503. Times: the gateway's bound runs from the last answer, which came before the test's request
+    that caused it returned, so sleeping from there past the bound is past it."""
+    stale_s = 6.0
+    sched = await SchedulerApp(lambda: SqliteStore(tmp_path / "s.db"), sched_pki(pki), route_cache_s=1,
+                               negative_cache_s=1, gateway_allow=(GATEWAY_SAN,)).start()
+    fwd = ForwarderThread(forwarder_settings(pki))
+    url, ctx = sched.url, gateway_client_ctx(pki)
+    gw = GatewayThread(pki, None, routes=lambda: SchedulerRoutes(url, ctx), route_stale_s=stale_s)
+    c = Chain(pki, sched, fwd, gw)
+    app = EchoHttp()
+    try:
+        await register(c, "alpha", app.port)
+        await register(c, "beta", app.port)
+        assert (await c.get(f"beta.{DOMAIN}"))[0] == 200
+        assert (await c.client.admin("DELETE", "/v1/sandboxes/beta"))[0] == 200
+        await asyncio.sleep(1.2)  # beta's cached route expires ...
+        assert (await c.get(f"beta.{DOMAIN}"))[0] == 404  # ... and the scheduler says it does not know it
+        with gateway_log() as log:  # (the client's keep-alive connection stays open: no quiet wait)
+            assert (await c.get(f"alpha.{DOMAIN}", "/a1"))[0] == 200
+            given = time.monotonic()  # the scheduler gave alpha's route before this
+            await sched.stop()
+            await asyncio.sleep(1.2)  # alpha's cached route has expired: each request looks it up, and fails
+            for i in range(3):
+                status, body = await c.get(f"alpha.{DOMAIN}", f"/stale{i}")
+                assert status == 200 and json.loads(body)["path"] == f"/stale{i}", (status, body)
+            served_at = time.monotonic()
+            assert (await c.get(f"beta.{DOMAIN}"))[0] == 503  # answered "unknown": never a stale route
+            assert (await c.get(f"nobody.{DOMAIN}"))[0] == 503  # never known
+            stale_lines = log.events("route_stale")
+        assert served_at - given < stale_s  # the stale answers above came inside the bound
+        assert gw.sample("sbxnet_gateway_route_cache_total", {"result": "stale"}) == 3
+        assert len(stale_lines) == 1 and stale_lines[0]["sandbox_id"] == "alpha", stale_lines  # said once
+        await asyncio.sleep(max(0.0, given + stale_s + 0.2 - time.monotonic()))
+        status, body = await c.get(f"alpha.{DOMAIN}")
+        assert status == 503 and b"route service is unavailable" in body  # past the bound
+        await sched.start()
+        assert (await c.get(f"alpha.{DOMAIN}"))[0] == 200
+    finally:
+        app.stop()
+        await c.close()
+        await asyncio.to_thread(gw.stop)
+        await asyncio.to_thread(fwd.stop)
         await sched.stop()

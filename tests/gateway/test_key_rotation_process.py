@@ -4,7 +4,7 @@ to (issue 22 point 17): the scheduler, the forwarder and the gateway as processe
 
 A sandbox whose route holds the current and the next pin answers every request while the forwarder's
 certificate and key are swapped for the next (``certs promote``, SIGHUP); a sandbox whose route still holds
-only the old pin is answered as docs/gateway.md says a forwarder that cannot be reached is (503, Retry-After,
+only the old pin is answered as docs/gateway.md says a pin mismatch is (502 at once, no further handshake,
 its access-log line's reason ``pin_mismatch``)."""
 
 from __future__ import annotations
@@ -280,15 +280,15 @@ def test_a_forwarder_key_rotated_under_traffic_fails_no_request(deployment: Depl
     assert set(traffic.answers) == {200}, {s: traffic.answers.count(s) for s in set(traffic.answers)}
 
     # The route that still holds only the old pin: the forwarder's new key is refused, and the request
-    # is answered as an unreachable forwarder is (docs/gateway.md, "Upstream"). Links the gateway's warm
+    # is answered as a pin mismatch is (docs/gateway.md, "Upstream": 502, not retried). Links the gateway's warm
     # pool opened before the swap still carry the old key (the forwarder keeps a live link's context), so
     # up to the pool's size of requests may still be served on them first; none is pooled after the swap.
     served_old: list[int] = []
     while not served_old or served_old[-1] == 200:
-        status, headers = dep.get("old")
+        status, _ = dep.get("old")
         served_old.append(status)
         assert len(served_old) <= dep.pool + 1, served_old
-    assert status == 503 and headers.get("retry-after") == "1", served_old
+    assert status == 502, served_old
 
     # 4. The last step: the routes drop the old pin.
     dep.register("rot", {"spki_pins": [nxt]})
@@ -303,5 +303,5 @@ def test_a_forwarder_key_rotated_under_traffic_fails_no_request(deployment: Depl
     rot = [r for r in lines if r.get("sandbox_id") == "rot"]
     assert len(rot) == len(traffic.answers) + 1 and {r["status"] for r in rot} == {200}
     old = [(r["status"], r.get("reason")) for r in lines if r.get("sandbox_id") == "old"]
-    assert old == [(200, None)] * (len(served_old) - 1) + [(503, "pin_mismatch"), (200, None)], old
+    assert old == [(200, None)] * (len(served_old) - 1) + [(502, "pin_mismatch"), (200, None)], old
     x509.load_pem_x509_certificate((d / "forwarder.prev.crt").read_bytes())  # the old pair kept for a rollback

@@ -62,7 +62,7 @@ def test_a_forwarder_whose_key_is_any_pin_of_the_set_is_reached_and_no_other(pki
             assert asyncio.run(reach(pki, fwd, app, pins)) == b"ping", pins
         with pytest.raises(UpstreamFailed) as e:
             asyncio.run(reach(pki, fwd, app, (ANOTHER, OTHER)))
-        assert e.value.reason == "pin_mismatch" and e.value.http_status == 503
+        assert e.value.reason == "pin_mismatch" and e.value.http_status == 502
         assert app.accepted == 3  # the refused set reached nothing
     finally:
         fwd.stop()

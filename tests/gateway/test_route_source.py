@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.route_source import Lookup, StaticRoutes, Waker, WakeRefused
+from gateway.route_source import Lookup, Lookups, RouteLookupFailed, StaticRoutes, Waker, WakeRefused
 from sbxnet.errors import EnvironmentFault
 
 PIN = base64.b64encode(hashlib.sha256(b"k").digest()).decode()
@@ -105,3 +105,97 @@ def test_waiters_are_bounded_per_sandbox() -> None:
         return sum(isinstance(r, WakeRefused) for r in results)
 
     assert asyncio.run(main()) == 2
+
+
+class SlowLookups:
+    """A route source whose lookup takes ``delay`` and counts its calls; it fails while ``down``."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.down = False
+        self.lookups: list[str] = []
+
+    async def lookup(self, sandbox: str) -> Lookup:
+        self.lookups.append(sandbox)
+        await asyncio.sleep(self.delay)
+        if self.down:
+            raise RouteLookupFailed("unreachable", "down")
+        return Lookup(None, 1)
+
+    async def wake(self, sandbox: str, wait: float) -> str:
+        return "active"
+
+
+def test_fifty_waiters_cause_one_lookup_per_sandbox_and_all_get_its_answer() -> None:
+    async def main() -> None:
+        src = SlowLookups(0.05)
+        told: list[int] = []
+        lookups = Lookups(src, on_call=lambda: told.append(1))
+        answers = await asyncio.gather(*(lookups.lookup("a") for _ in range(50)),
+                                       *(lookups.lookup("b") for _ in range(3)))
+        assert answers == [Lookup(None, 1)] * 53
+        assert sorted(src.lookups) == ["a", "b"] and lookups.calls == 2 and len(told) == 2
+        await lookups.lookup("a")  # the one in flight is done: the next miss looks again
+        assert src.lookups.count("a") == 2
+
+    asyncio.run(main())
+
+
+def test_every_waiter_gets_the_lookups_error() -> None:
+    async def main() -> list[object]:
+        src = SlowLookups(0.05)
+        src.down = True
+        lookups = Lookups(src)
+        return await asyncio.gather(*(lookups.lookup("a") for _ in range(10)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, RouteLookupFailed) and r.reason == "unreachable" for r in results), results
+
+
+def test_a_waiter_leaving_does_not_cancel_the_lookup_for_the_others() -> None:
+    async def main() -> Lookup:
+        src = SlowLookups(0.05)
+        lookups = Lookups(src)
+        first = asyncio.create_task(lookups.lookup("a"))
+        second = asyncio.create_task(lookups.lookup("a"))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        answer = await second
+        assert src.lookups == ["a"]
+        return answer
+
+    assert asyncio.run(main()) == Lookup(None, 1)
+
+
+def test_a_lookup_begun_before_a_ticket_is_not_joined_one_begun_after_it_is() -> None:
+    """After a wake, the route must come from a lookup begun after the wake's answer: one begun while
+    the wake ran may say "waking". Callers with the same ticket share the new lookup."""
+    async def main() -> None:
+        src = SlowLookups(0.05)
+        lookups = Lookups(src)
+        early = asyncio.create_task(lookups.lookup("a"))
+        await asyncio.sleep(0.01)  # the early lookup is in flight ...
+        ticket = lookups.ticket()  # ... when the event happens
+        joined = asyncio.create_task(lookups.lookup("a"))  # no ticket: joins the early one
+        late = [asyncio.create_task(lookups.lookup("a", started_after=ticket)) for _ in range(5)]
+        await asyncio.gather(early, joined, *late)
+        assert src.lookups == ["a", "a"] and lookups.calls == 2
+
+    asyncio.run(main())
+
+
+def test_every_waiter_of_a_wake_gets_the_stamp_taken_when_it_was_answered() -> None:
+    async def main() -> None:
+        count = [0]
+
+        def stamp() -> int:
+            count[0] += 1
+            return count[0]
+
+        waker = Waker(CountingSource(0.05), stamp=stamp)
+        answers = await asyncio.gather(*(waker.wake_stamped("a") for _ in range(10)))
+        assert answers == [("active", 1)] * 10  # read once, when the one wake was answered
+        assert await waker.wake_stamped("a") == ("active", 2)
+        assert await Waker(CountingSource(0.0)).wake_stamped("a") == ("active", -1)
+
+    asyncio.run(main())

@@ -4,13 +4,16 @@ retries that ride out a cold start (forwarder or sandbox not up yet) without eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import random
 import socket
+import ssl
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -175,25 +178,45 @@ def test_a_forbidden_target_is_not_retried(pki: Pki, forwarders: list[ForwarderT
     assert e.value.attempts == 1
 
 
+def _outcomes(fwd: ForwarderThread) -> dict[str, float]:
+    return {s.labels["outcome"]: s.value for m in fwd.server.metrics.registry.collect()
+            if m.name == "sbxnet_forwarder_connections" for s in m.samples if s.name.endswith("_total")}
+
+
 def test_a_forwarder_with_another_key_is_never_sent_the_preamble(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    """A pin mismatch is not transient: one handshake, no preamble, 502 (not retried until the deadline)."""
     fwd = ForwarderThread(fwd_settings(pki))
     forwarders.append(fwd)
     app = SandboxApp(echo)
     with pytest.raises(UpstreamFailed) as e:
-        asyncio.run(open_upstream(route(fwd.port, app.port, pki, deadline=0.4, pin_of="gateway"), app.port,
+        asyncio.run(open_upstream(route(fwd.port, app.port, pki, deadline=3.0, pin_of="gateway"), app.port,
                                   preamble(app.port), policy(pki)))
-    assert e.value.http_status == 503 and e.value.reason == "pin_mismatch"
+    assert (e.value.http_status, e.value.reason, e.value.retry_after) == (502, "pin_mismatch", None)
     fwd.wait_idle()
     assert app.accepted == 0
-    # Every attempt ended before a preamble: the forwarder saw the link close after the handshake.
-    rejects = {
-        s.labels["reason"]: s.value
-        for m in fwd.server.metrics.registry.collect()
-        if m.name == "sbxnet_forwarder_preamble_rejects"
-        for s in m.samples
-        if s.name.endswith("_total")
-    }
-    assert sum(rejects.values()) >= 2 and set(rejects) <= {"eof", "reset", "tls_error"}, rejects
+    # One handshake, and the link ended before a preamble byte: the forwarder's own outcome for that.
+    assert _outcomes(fwd) == {"no_preamble": 1}
+
+
+def test_a_pin_mismatch_looks_the_route_up_once_more_then_502(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    """The route looked up afresh says the same (the pin is wrong at the source): 502 after that one
+    recheck, with no second handshake."""
+    fwd = ForwarderThread(fwd_settings(pki))
+    forwarders.append(fwd)
+    app = SandboxApp(echo)
+    wrong = route(fwd.port, app.port, pki, deadline=3.0, pin_of="gateway")
+    calls: list[float] = []
+
+    async def recheck() -> Route | None:
+        calls.append(time.monotonic())
+        return wrong
+
+    with pytest.raises(UpstreamFailed) as e:
+        asyncio.run(open_upstream(wrong, app.port, preamble(app.port), policy(pki), recheck=recheck))
+    assert (e.value.http_status, e.value.reason) == (502, "pin_mismatch")
+    assert len(calls) == 1
+    fwd.wait_idle()
+    assert _outcomes(fwd) == {"no_preamble": 1}
 
 
 def test_recheck_after_the_first_failure_can_move_the_route(pki: Pki, forwarders: list[ForwarderThread]) -> None:
@@ -240,3 +263,79 @@ def test_recheck_saying_gone_is_503_at_once(pki: Pki, forwarders: list[Forwarder
                                   policy(pki), recheck=recheck))
     assert (failed.value.reason, failed.value.http_status) == ("sandbox_gone", 503)
     assert time.monotonic() - t0 < 4.0  # not the 5 s deadline
+
+
+def test_the_route_is_looked_up_once_more_before_answering(pki: Pki, forwarders: list[ForwarderThread]) -> None:
+    """The route's host refuses every connect until the deadline (no attempt got far enough to be
+    rechecked); before answering 503 the route is looked up once more, and it names the sandbox's new
+    host: the link goes there, with the new route's own deadline."""
+    fwd = ForwarderThread(fwd_settings(pki))
+    forwarders.append(fwd)
+    app = SandboxApp(echo)
+    dead = route(free_port(), app.port, pki, deadline=0.5)
+    fresh = route(fwd.port, app.port, pki, deadline=2.0)
+    calls: list[float] = []
+
+    async def recheck() -> Route | None:
+        calls.append(time.monotonic())
+        return fresh
+
+    async def go() -> tuple[bytes, list[str]]:
+        up = await open_upstream(dead, app.port, preamble(app.port), policy(pki), rng=random.Random(1),
+                                 recheck=recheck)
+        await up.stream.write(b"hello")
+        got = up.leftover
+        while len(got) < 5:
+            got += await up.stream.read()
+        up.stream.abort()
+        return got, up.failures
+
+    t0 = time.monotonic()
+    got, failures = asyncio.run(go())
+    assert got == b"hello" and len(calls) == 1
+    assert calls[0] - t0 >= 0.5  # the lookup came at the dead route's deadline
+    assert failures and all(f.startswith("connect_") for f in failures)
+    app.join()
+
+
+def test_a_forwarder_that_never_answers_is_504_after_the_deadline_and_its_grace(pki: Pki) -> None:
+    """A peer with the forwarder's key that takes the preamble and never sends a status (a hung
+    forwarder): the wait ends at the deadline plus ``status_grace``, the route is looked up once more,
+    and the answer is 504. The peer is plain TLS (ssl module) with the forwarder's certificate."""
+    cert, key = pki.paths["forwarder"]
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    held: list[ssl.SSLSocket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                tls = ctx.wrap_socket(conn, server_side=True)
+                tls.recv(4096)  # the preamble; no status, ever
+                held.append(tls)
+
+    threading.Thread(target=serve, daemon=True).start()
+    calls: list[float] = []
+    r = route(port, 9, pki, deadline=0.5)
+
+    async def recheck() -> Route | None:
+        calls.append(time.monotonic())
+        return r
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(UpstreamFailed) as e:
+            asyncio.run(open_upstream(r, 9, preamble(9), replace(policy(pki), status_grace=0.5), recheck=recheck))
+        took = time.monotonic() - t0
+    finally:
+        listener.close()
+        for tls in held:
+            tls.close()
+    assert (e.value.http_status, e.value.reason, e.value.retry_after) == (504, "status_timeout", None)
+    assert 0.95 <= took < 5.0, took  # the 0.5 s deadline and the 0.5 s grace
+    assert len(calls) == 2  # after the first failure, and once more before answering
+    assert len(held) == 1  # no second attempt: the deadline had passed

@@ -219,3 +219,66 @@ def test_not_listening_gets_status_and_leaks_nothing(make_forwarder: MakeForward
     assert open_fds() - before == set()
     assert fwd.sample("sbxnet_forwarder_connections_total", {"outcome": "not_listening"}) == 3
     assert fwd.sample("sbxnet_forwarder_connect_attempts_total") >= 3 * 4
+
+
+def test_the_preambles_deadline_shortens_the_connect_never_lengthens_it(make_forwarder: MakeForwarder,
+                                                                        pki: Pki) -> None:
+    """The gateway says how long it still waits (the deadline TLV): the connect gives up by then, so the
+    gateway hears NOT_LISTENING while it listens. A deadline past the forwarder's own is cut to its own.
+    Times are the forwarder's (its connect_seconds histogram)."""
+    fwd = make_forwarder(connect_deadline=3.0)
+    app = SandboxApp(_never, listen=False)
+    client = GwClient(fwd.port, pki.client_ctx())
+    assert client.open(preamble_for(app.port, deadline_ms=400)) is Status.NOT_LISTENING
+    client.close()
+    fwd.wait_idle()
+    took = fwd.sample("sbxnet_forwarder_connect_seconds_sum", {"result": "failed"})
+    assert 0.35 < took < 2.0, took  # 0.4 s, not the forwarder's 3 s
+    client = GwClient(fwd.port, pki.client_ctx())
+    assert client.open(preamble_for(app.port, deadline_ms=300_000)) is Status.NOT_LISTENING
+    client.close()
+    fwd.wait_idle()
+    longer = fwd.sample("sbxnet_forwarder_connect_seconds_sum", {"result": "failed"}) - took
+    assert 2.9 < longer < 10.0, longer  # its own 3 s, not the 300 s asked for
+
+
+def _outcomes(fwd: ForwarderThread) -> dict[str, float]:
+    return {s.labels["outcome"]: s.value for m in fwd.server.metrics.registry.collect()
+            if m.name == "sbxnet_forwarder_connections" for s in m.samples if s.name.endswith("_total")}
+
+
+@pytest.mark.parametrize("leave", ["close", "abort", "idle"])
+def test_a_peer_that_leaves_before_the_preamble_is_no_preamble(make_forwarder: MakeForwarder, pki: Pki,
+                                                               leave: str) -> None:
+    """A handshake and then not one preamble byte (a pooled link retired with close_notify, a gateway that
+    refused our key and reset, a link left idle) is its own outcome, ``no_preamble``: no preamble was
+    sent, so none was bad. The reason is still counted in ``preamble_rejects`` (unused, reset, idle)."""
+    fwd = make_forwarder(preamble_idle_timeout=0.3)
+    app = SandboxApp(_never)
+    client = GwClient(fwd.port, pki.client_ctx())
+    client.handshake()
+    if leave == "close":
+        client.close_write()
+        client.close()
+    elif leave == "abort":
+        client.abort()
+    else:
+        client.sock.settimeout(10)
+        while client.fill():  # the forwarder ends it at the idle timeout
+            pass
+        client.close()
+    fwd.wait_idle()
+    assert _outcomes(fwd) == {"no_preamble": 1}
+    assert app.accepted == 0
+
+
+def test_a_peer_that_leaves_mid_preamble_is_still_bad_preamble(forwarder: ForwarderThread, pki: Pki) -> None:
+    app = SandboxApp(_never)
+    client = GwClient(forwarder.port, pki.client_ctx())
+    client.handshake()
+    client.send(preamble_for(app.port)[:10])
+    client.close_write()  # an orderly end, so the bytes before it are read (a reset could discard them)
+    forwarder.wait_idle()
+    client.close()
+    assert _outcomes(forwarder) == {"bad_preamble": 1}
+    assert forwarder.sample("sbxnet_forwarder_preamble_rejects_total", {"reason": "eof"}) == 1

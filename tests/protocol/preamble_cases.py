@@ -59,6 +59,20 @@ GOLDEN: list[tuple[str, Preamble, bool, str]] = [
         + " 030004ce26f542 050010 000102030405060708090a0b0c0d0e0f e0000178",
     ),
     (
+        "v4_deadline",
+        Preamble(ip("1.2.3.4"), 1234, ip("10.0.0.5"), 8080, "sb-1", None, 10_000),
+        False,
+        SIG + "21 11 001a 01020304 0a000005 04d2 1f90 e0000473622d31 e1000400002710",
+    ),
+    (
+        "v4_unique_id_deadline_crc",
+        Preamble(ip("192.0.2.10"), 50000, ip("10.1.2.3"), 3000, "sandbox.A_b-9", b"conn-42", 300_000),
+        True,
+        SIG
+        + "21 11 0034 c000020a 0a010203 c350 0bb8 0300043654652f 050007636f6e6e2d3432"
+        + " e0000d73616e64626f782e415f622d39 e10004000493e0",
+    ),
+    (
         "v6_mapped_longest_sandbox_id",
         Preamble(ip("::ffff:198.51.100.7"), 65535, ip("fd00:1:2:3::a"), 1, "Z" * 64),
         False,

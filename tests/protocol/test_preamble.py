@@ -13,10 +13,12 @@ from preamble_cases import GOLDEN, V4_ADDRS, V6_ADDRS, build, golden_bytes, tlv
 
 from sbxnet.errors import LocalProtocolError, RemoteProtocolError
 from sbxnet.protocol.preamble import (
+    DEADLINE_MAX_MS,
     DEFAULT_MAX_LEN,
     HEADER_LEN,
     SIGNATURE,
     TLV_CRC32C,
+    TLV_DEADLINE,
     TLV_NOOP,
     TLV_SANDBOX_ID,
     TLV_UNIQUE_ID,
@@ -33,6 +35,7 @@ ip = ipaddress.ip_address
 
 sandbox_ids = st.from_regex(r"[A-Za-z0-9._-]{1,64}", fullmatch=True)
 connection_ids = st.none() | st.binary(min_size=1, max_size=128)
+deadlines = st.none() | st.integers(1, 300_000)
 ports = st.integers(0, 65535)
 dst_ports = st.integers(1, 65535)
 
@@ -47,6 +50,7 @@ def preambles(draw: st.DrawFn) -> Preamble:
         dst_port=draw(dst_ports),
         sandbox_id=draw(sandbox_ids),
         connection_id=draw(connection_ids),
+        deadline_ms=draw(deadlines),
     )
 
 
@@ -151,9 +155,9 @@ def test_every_truncation_is_incomplete(p: Preamble, crc: bool) -> None:
 
 
 def test_largest_preamble_fits_default_bound() -> None:
-    p = Preamble(ip("::1"), 1, ip("::2"), 2, "a" * 64, b"u" * 128)
+    p = Preamble(ip("::1"), 1, ip("::2"), 2, "a" * 64, b"u" * 128, DEADLINE_MAX_MS)
     data = push_preamble(p, crc32c=True)
-    assert len(data) == 16 + 36 + 7 + 3 + 128 + 3 + 64
+    assert len(data) == 16 + 36 + 7 + 3 + 128 + 3 + 64 + 7 == 264
     assert pull_preamble(data) == (p, len(data))
 
 
@@ -228,6 +232,13 @@ REASON_CASES: list[tuple[str, str, bytes]] = [
     ("duplicate_tlv", "sandbox_id", build(tlvs=[(0xE0, b"a"), (0xE0, b"a")])),
     ("duplicate_tlv", "unique_id", build(tlvs=[(0x05, b"a"), (0xE0, b"a"), (0x05, b"b")])),
     ("duplicate_tlv", "crc", build(tlvs=[(0x03, b"\0\0\0\0"), (0xE0, b"a")], crc=True)),
+    ("duplicate_tlv", "deadline", build(tlvs=[(0xE0, b"a"), (0xE1, b"\0\0\0\1"), (0xE1, b"\0\0\0\1")])),
+    ("bad_deadline", "empty", build(tlvs=[(0xE0, b"a"), (0xE1, b"")])),
+    ("bad_deadline", "three_bytes", build(tlvs=[(0xE0, b"a"), (0xE1, b"\0\x27\x10")])),
+    ("bad_deadline", "five_bytes", build(tlvs=[(0xE0, b"a"), (0xE1, b"\0\0\0\x27\x10")])),
+    ("bad_deadline", "zero", build(tlvs=[(0xE0, b"a"), (0xE1, b"\0\0\0\0")])),
+    ("bad_deadline", "300001_ms", build(tlvs=[(0xE0, b"a"), (0xE1, struct.pack("!I", 300_001))])),
+    ("bad_deadline", "u32_max", build(tlvs=[(0xE1, b"\xff\xff\xff\xff"), (0xE0, b"a")])),
     ("missing_sandbox_id", "no_tlvs", build(tlvs=[])),
     ("missing_sandbox_id", "only_noop", build(tlvs=[(0x04, b"pad")])),
     ("missing_sandbox_id", "only_unique_id", build(tlvs=[(0x05, b"abc")])),
@@ -245,7 +256,7 @@ REASON_CASES: list[tuple[str, str, bytes]] = [
     ("bad_crc", "zero", build(crc=True, crc_value=0)),
     ("bad_crc", "three_bytes", build(tlvs=[(0x03, b"abc"), (0xE0, b"a")])),
     ("bad_crc", "five_bytes", build(tlvs=[(0x03, b"abcde"), (0xE0, b"a")])),
-    ("unknown_tlv", "custom_e1", build(tlvs=[(0xE0, b"a"), (0xE1, b"x")])),
+    ("unknown_tlv", "custom_e2", build(tlvs=[(0xE0, b"a"), (0xE2, b"x")])),
     ("unknown_tlv", "custom_ef", build(tlvs=[(0xEF, b""), (0xE0, b"a")])),
     ("unknown_tlv", "experiment_f0", build(tlvs=[(0xE0, b"a"), (0xF0, b"x")])),
     ("unknown_tlv", "future_ff", build(tlvs=[(0xE0, b"a"), (0xFF, b"x")])),
@@ -268,6 +279,7 @@ ALL_REASONS = {
     "bad_sandbox_id",
     "bad_unique_id",
     "bad_crc",
+    "bad_deadline",
     "unknown_tlv",
 }
 
@@ -344,6 +356,9 @@ def test_ipv6_family_keeps_ipv6_addresses() -> None:
         (Preamble(ip("1.2.3.4"), 1, ip("1.2.3.5"), 1, "caf\u00e9"), "bad_sandbox_id"),
         (Preamble(ip("1.2.3.4"), 1, ip("1.2.3.5"), 1, "s", b""), "bad_unique_id"),
         (Preamble(ip("1.2.3.4"), 1, ip("1.2.3.5"), 1, "s", b"x" * 129), "bad_unique_id"),
+        (Preamble(ip("1.2.3.4"), 1, ip("1.2.3.5"), 1, "s", None, 0), "bad_deadline"),
+        (Preamble(ip("1.2.3.4"), 1, ip("1.2.3.5"), 1, "s", None, 300_001), "bad_deadline"),
+        (Preamble(ip("1.2.3.4"), 1, ip("1.2.3.5"), 1, "s", None, True), "bad_deadline"),
     ],
 )
 def test_push_refuses(p: Preamble, reason: str) -> None:
@@ -354,14 +369,15 @@ def test_push_refuses(p: Preamble, reason: str) -> None:
 
 # --- a model of the profile, against generated well-framed preambles -------------------------------
 
-KNOWN_SINGLE = {TLV_CRC32C, TLV_UNIQUE_ID, TLV_SANDBOX_ID}
+KNOWN_SINGLE = {TLV_CRC32C, TLV_UNIQUE_ID, TLV_SANDBOX_ID, TLV_DEADLINE}
 IGNORED = {0x01, 0x02, 0x04, 0x20, 0x30}
 
 
 def model(
     fam: int, dst_port: int, tlvs: list[tuple[int, bytes]], crc: bool, crc_ok: bool
-) -> str | tuple[str, bytes | None]:
-    """The documented rules, written as plainly as possible: a reason, or (sandbox id, unique id)."""
+) -> str | tuple[str, bytes | None, int | None]:
+    """The documented rules, written as plainly as possible: a reason, or (sandbox id, unique id,
+    deadline)."""
     addr_len = 36 if fam == 0x21 else 12
     walk = ([(0x03, b"....")] if crc else []) + tlvs
     total = 16 + addr_len + sum(3 + len(v) for _, v in walk)
@@ -381,6 +397,11 @@ def model(
         return "bad_crc"
     if 0x05 in seen and not 1 <= len(seen[0x05]) <= 128:
         return "bad_unique_id"
+    deadline = None
+    if 0xE1 in seen:
+        if len(seen[0xE1]) != 4 or not 1 <= int.from_bytes(seen[0xE1], "big") <= 300_000:
+            return "bad_deadline"
+        deadline = int.from_bytes(seen[0xE1], "big")
     if 0xE0 not in seen:
         return "missing_sandbox_id"
     sid = seen[0xE0]
@@ -389,11 +410,11 @@ def model(
         and all(c in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-" for c in sid)
     ):
         return "bad_sandbox_id"
-    return sid.decode(), seen.get(0x05)
+    return sid.decode(), seen.get(0x05), deadline
 
 
 tlv_types = st.sampled_from(
-    [0x01, 0x02, 0x04, 0x05, 0x20, 0x30, 0xE0, 0xE0, 0xE0, 0xE1, 0xEF, 0xF3, 0x06, 0x21]
+    [0x01, 0x02, 0x04, 0x05, 0x20, 0x30, 0xE0, 0xE0, 0xE0, 0xE1, 0xE1, 0xE2, 0xEF, 0xF3, 0x06, 0x21]
 )
 
 
@@ -403,6 +424,9 @@ def tlv_value(draw: st.DrawFn, t: int) -> bytes:
         return draw(sandbox_ids.map(str.encode) | st.binary(max_size=70))
     if t == 0x05:
         return draw(st.binary(min_size=0, max_size=130))
+    if t == 0xE1:  # valid, at the bounds and past them, or any bytes
+        ms = st.sampled_from([0, 1, 299_999, 300_000, 300_001, 0xFFFFFFFF]) | st.integers(0, 400_000)
+        return draw(ms.map(lambda n: struct.pack("!I", n)) | st.binary(max_size=6))
     return draw(st.binary(max_size=40))
 
 
@@ -430,7 +454,7 @@ def test_parser_agrees_with_model(
         assert got is not None
         p, n = got
         assert n == len(data)
-        assert (p.sandbox_id, p.connection_id) == want
+        assert (p.sandbox_id, p.connection_id, p.deadline_ms) == want
         assert p.dst_port == dst_port
 
 

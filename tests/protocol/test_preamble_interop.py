@@ -51,6 +51,7 @@ def preambles(draw: st.DrawFn) -> Preamble:
         draw(st.integers(1, 65535)),
         draw(sandbox_ids),
         draw(st.none() | st.binary(min_size=1, max_size=128)),
+        draw(st.none() | st.integers(1, 300_000)),
     )
 
 
@@ -66,11 +67,15 @@ def assert_same(result: ProxyResultIPv4 | ProxyResultIPv6, p: Preamble, crc: boo
     assert result.dest == (p.dst, p.dst_port)
     assert result.tlv[0xE0] == p.sandbox_id.encode()
     assert result.tlv.get(0x05) == p.connection_id
+    assert result.tlv.get(0xE1) == (None if p.deadline_ms is None else p.deadline_ms.to_bytes(4, "big"))
     assert (result.tlv.crc32c is not None) == crc
 
 
 def theirs_build(p: Preamble, crc: bool) -> bytes:
-    tlv = ProxyProtocolTLV(init={0xE0: p.sandbox_id.encode()}, unique_id=p.connection_id, auto_crc32c=crc)
+    init = {0xE0: p.sandbox_id.encode()}
+    if p.deadline_ms is not None:
+        init[0xE1] = p.deadline_ms.to_bytes(4, "big")
+    tlv = ProxyProtocolTLV(init=init, unique_id=p.connection_id, auto_crc32c=crc)
     cls = ProxyResultIPv4 if isinstance(p.src, ipaddress.IPv4Address) else ProxyResultIPv6
     result = cls((p.src, p.src_port), (p.dst, p.dst_port), protocol=socket.SOCK_STREAM, tlv=tlv)  # type: ignore[arg-type]
     return V2.pack(result)

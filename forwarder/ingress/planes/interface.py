@@ -21,10 +21,13 @@ from forwarder.ingress.tls_link import TlsLink
 
 class Outcome(enum.StrEnum):
     """How a connection ended: the steps before the data plane (``sequence.py``) end it with one of the
-    first four, a data plane with one of the rest. Values are the ``outcome`` label and log field."""
+    first five, a data plane with one of the rest. Values are the ``outcome`` label and log field."""
 
     HANDSHAKE_REFUSED = "handshake_refused"  # TLS failed, or the peer's SAN is not on the allowlist
-    BAD_PREAMBLE = "bad_preamble"  # malformed, too long, too slow, or the link broke before it was whole
+    # The link ended before the preamble's first byte: the gateway closed or reset it (a pooled link
+    # retired, a gateway that refused our key's pin), or sent nothing within preamble_idle_timeout.
+    NO_PREAMBLE = "no_preamble"
+    BAD_PREAMBLE = "bad_preamble"  # malformed, too long, too slow, or the link broke part-way through it
     FORBIDDEN = "forbidden"  # the target guard refused the preamble's destination
     NOT_LISTENING = "not_listening"  # nothing answered at the target before connect_deadline
     CLOSED = "closed"  # both directions ended with an orderly end of stream
