@@ -444,16 +444,23 @@ class Traffic:
     def __init__(self, edge: Ns, ctx: ssl.SSLContext, sandboxes: list[str], every: float = 0.1) -> None:
         self.edge, self.ctx, self.every = edge, ctx, every
         self.answers: list[Answer] = []
+        self._sending: dict[str, float | None] = dict.fromkeys(sandboxes)  # sandbox -> when its request began
         self._stop = threading.Event()
         self._threads = [edge.thread(functools.partial(self._loop, sid), f"traffic-{sid}") for sid in sandboxes]
 
     def _loop(self, sid: str) -> None:
         while not self._stop.is_set():
             t0 = time.monotonic()
+            self._sending[sid] = time.time()
             self.answers.append(request(self.ctx, sid))
+            self._sending[sid] = None
             self._stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
 
     def between(self, start: float, end: float, sandboxes: tuple[str, ...] = ()) -> list[Answer]:
+        """The answers to the requests begun from ``start`` to ``end``, once every one of them has ended."""
+        def ended() -> bool:
+            return all(began is None or began > end for began in list(self._sending.values()))
+        wait_for(ended, 60, "the requests begun in the window to end")
         return [a for a in list(self.answers)
                 if start <= a.started <= end and (not sandboxes or a.sandbox in sandboxes)]
 
@@ -465,6 +472,10 @@ class Traffic:
 
 def failures(answers: list[Answer]) -> list[Answer]:
     return [a for a in answers if a.status != 200]
+
+
+def slow(answers: list[Answer], bound: float) -> list[Answer]:
+    return [a for a in answers if a.ended - a.started > bound]
 
 
 def summary(answers: list[Answer]) -> str:
