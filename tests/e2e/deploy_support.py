@@ -59,6 +59,7 @@ WEBHOOK_PORT = 9000
 # -- the guide ----------------------------------------------------------------------------------------
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+_JSON = re.compile(r"^<!-- on (\S+): (\S+) .*?-->\n```json\n(.*?)^```$", re.S | re.M)
 _ON = re.compile(r"# on (\S+): (.+)")
 _KEEPS = "# what each host keeps in /etc/sbxnet/"
 _START = re.compile(r"^sbxnet (scheduler|gateway|forwarder) --config (\S+) &$")
@@ -86,6 +87,8 @@ class Guide:
                 for line in rest.splitlines():
                     host, _, files = line.partition(":")
                     keeps[host.strip()] = files.split()
+        for m in _JSON.finditer(path.read_text()):
+            blocks[(m.group(1), m.group(2))] = m.group(3)
         return cls(blocks, keeps)
 
     def configs(self, host: str) -> dict[str, str]:

@@ -66,9 +66,10 @@ ROUTE_WAIT_S = 3.0  # the guide's wait after re-registering: route_cache_s (2 s)
 SLOW_S = 3.0
 # name -> (host, last octet of its address, idle_period_s); vault's port takes a token
 SANDBOXES = {
-    "alpha": ("host-1", 5, 300), "beta": ("host-1", 6, 300), "brisk": ("host-1", 7, 3),
-    "gamma": ("host-2", 5, 300), "lively": ("host-2", 6, 5), "vault": ("host-2", 7, 300),
+    "alpha": ("host-1", 11, 300), "beta": ("host-1", 12, 300), "brisk": ("host-1", 13, 3),
+    "gamma": ("host-2", 11, 300), "lively": ("host-2", 12, 5), "vault": ("host-2", 13, 300),
 }
+MOVED_TO = 14  # alpha's address on host-2
 STEADY = ("alpha", "beta", "brisk", "gamma", "lively")
 METRICS = {"scheduler": 9466, "gateway": 9465, "forwarder": 9464}  # the defaults the guide keeps
 
@@ -189,14 +190,22 @@ class Deployment:
         status, answer = self.platform.admin("PUT", f"/v1/sandboxes/{sid}", body)
         assert status in (200, 201), f"PUT /v1/sandboxes/{sid}: {status} {answer}"
 
-    def run_sandbox(self, sid: str, host: str, octet: int) -> Program:
+    def run_sandbox(self, sid: str, host: str, octet: int, port: int = 8080) -> Program:
         ip = self.address(host, octet)
         add_sandbox_address(self.hosts, host, ip)
-        program = Program(self.hosts, sid, host, ip).start()
+        program = Program(self.hosts, sid, host, ip, port).start()
         wait_for(program.answers, 10, f"{sid}'s program on {host}")
         return program
 
     def populate(self) -> None:
+        # The guide's own example, registered as it stands: web on host-1.
+        web = json.loads(self.guide.blocks[("platform", "web.json")].replace("<contents of host-1.pin>",
+                                                                               self.pins["host-1"]))
+        assert web["forwarder"]["address"] == f"{HOST_IPS['host-1']}:8443"
+        octet = int(web["target_ip"].rsplit(".", 1)[1])
+        program = self.run_sandbox("web", "host-1", octet, web["default_port"])
+        self.programs["web"] = self.platform.programs["web"] = program
+        self.register("web", web)
         for sid, (host, octet, _) in SANDBOXES.items():
             program = self.run_sandbox(sid, host, octet)
             self.programs[sid] = self.platform.programs[sid] = program
@@ -306,6 +315,7 @@ def test_the_guide_deploys_routes_and_refuses_as_documented(deployment: Deployme
         ("token port, no token", 401, d.get("vault")),
         ("token port, wrong token", 403, d.get("vault", headers=("Authorization: Bearer nope",))),
         ("token port, the token", 200, d.get("vault", headers=(f"Authorization: Bearer {TOKEN}",))),
+        ("the guide's example", 200, d.get("web")),
         ("HTTP/1.1 Host other than the SNI", 421, d.get("alpha", host=f"beta.{DOMAIN}")),
     ]:
         d.refusals.append((what, want, answer))
@@ -317,7 +327,7 @@ def test_the_guide_deploys_routes_and_refuses_as_documented(deployment: Deployme
                         "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {row["sandbox"]: row for row in json.loads(r.stdout)}
-    assert set(rows) == set(SANDBOXES)
+    assert set(rows) == {*SANDBOXES, "web"}
     assert all(row["state"] == "active" for row in rows.values()), rows
     assert rows["alpha"]["bytes_out"] > 0, rows["alpha"]  # the feed reported alpha's traffic
 
@@ -327,7 +337,7 @@ def test_a_sandbox_moves_between_hosts_with_no_failed_request(deployment: Deploy
     d = deployment
     start = time.time()
     old = d.programs["alpha"]
-    new = d.run_sandbox("alpha", "host-2", 8)
+    new = d.run_sandbox("alpha", "host-2", MOVED_TO)
     d.register("alpha", d.registration("alpha", "host-2", new.ip))
     d.programs["alpha"] = d.platform.programs["alpha"] = new
     time.sleep(ROUTE_WAIT_S)
