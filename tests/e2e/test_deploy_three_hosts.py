@@ -399,14 +399,14 @@ def test_a_forwarder_key_rotates_with_no_failed_request(deployment: Deployment) 
 
 
 @pytest.mark.xfail(strict=True, reason="needs the scheduler's liveness after a restart: no idling before a feed "
-                   "reports again, and forwarders that learn quickly it is back (issue 22 point 1)")
+                   "reports again (issue 22 point 1)")
 def test_a_scheduler_restart_idles_no_sandbox_with_traffic(deployment: Deployment) -> None:
     d = deployment
     r = d.restart_scheduler()
     idled = [e for e in r.events if e["to"] == "idle" and e["at"] >= r.stopped and e["sandbox"] in STEADY]
-    assert idled == [], f"sandboxes with traffic declared idle after the restart (ready at {r.ready}): {idled}"
-    for host, back in r.feed_back.items():
-        assert back - r.ready <= 5.0, f"{host}'s feed reported {back - r.ready:.1f} s after the scheduler was back"
+    late = {h: round(back - r.ready, 1) for h, back in r.feed_back.items()}
+    assert idled == [], (f"sandboxes with traffic declared idle after the restart (ready at {r.ready}; each feed "
+                         f"answered again this many seconds later: {late}): {idled}")
 
 
 @pytest.mark.xfail(strict=True, reason="needs the gateway to serve the last known route while the scheduler is "
