@@ -320,11 +320,11 @@ def test_the_guide_deploys_routes_and_refuses_as_documented(deployment: Deployme
     ]:
         d.refusals.append((what, want, answer))
         assert answer.status == want, (what, answer)
-    # The guide's checks: sbxnet scheduler status, as the guide runs it, sees every sandbox.
-    edge = d.local("edge", "/etc/sbxnet")
-    r = subprocess.run(["ip", "netns", "exec", d.hosts.ns["edge"].name, str(BIN / "sbxnet"), "scheduler", "status",
-                        "--url", SCHEDULER_URL, "--ca-file", f"{edge}/ca.crt", "--token-file", f"{edge}/admin.token",
-                        "--json"], capture_output=True, text=True, timeout=60)
+    # The guide's check: its sbxnet scheduler status command (as JSON) sees every sandbox.
+    (line,) = [c for c in d.guide.blocks[("edge", "check")].splitlines() if c.startswith("sbxnet scheduler status ")]
+    argv = [str(BIN / "sbxnet"), *d.local("edge", line).split()[1:], "--json"]
+    r = subprocess.run(["ip", "netns", "exec", d.hosts.ns["edge"].name, *argv], capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {row["sandbox"]: row for row in json.loads(r.stdout)}
     assert set(rows) == {*SANDBOXES, "web"}
