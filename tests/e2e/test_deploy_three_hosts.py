@@ -70,6 +70,7 @@ SANDBOXES = {
     "gamma": ("host-2", 11, 300), "lively": ("host-2", 12, 5), "vault": ("host-2", 13, 300),
 }
 MOVED_TO = 14  # alpha's address on host-2
+DOWN = 15  # on host-2: an address with no program behind it
 STEADY = ("alpha", "beta", "brisk", "gamma", "lively")
 METRICS = {"scheduler": 9466, "gateway": 9465, "forwarder": 9464}  # the defaults the guide keeps
 
@@ -448,6 +449,22 @@ def test_a_gateway_reload_drops_nothing_and_takes_the_new_certificate(deployment
     from cryptography.hazmat.primitives.serialization import Encoding
 
     assert d.hosts.ns["edge"].call(presented) == renewed.cert.public_bytes(Encoding.DER)
+
+
+@pytest.mark.xfail(strict=True, reason="needs one connect deadline for the gateway and the forwarder, 503 with "
+                   "Retry-After past it (issue 22 point 3)")
+def test_a_sandbox_whose_program_is_down_gets_503_with_retry_after(deployment: Deployment) -> None:
+    """docs/gateway.md: a sandbox that does not listen within its route's connect_deadline_s gets 503 with
+    Retry-After: 1. Here its address is up on host-2 and nothing listens on its port."""
+    d = deployment
+    ip = d.address("host-2", DOWN)
+    add_sandbox_address(d.hosts, "host-2", ip)
+    body = d.registration("gamma", "host-2", ip)
+    body.update(incarnation="down-1", connect_deadline_s=2)
+    d.register("down", body)
+    answer = d.get("down")
+    assert (answer.status, answer.retry_after) == (503, "1"), answer
+    assert answer.ended - answer.started < 2 + SLOW_S, answer
 
 
 def test_every_request_got_the_status_the_docs_promise(deployment: Deployment) -> None:
