@@ -113,6 +113,7 @@ class Guide:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
+_here = threading.local()  # .netns: the namespace this thread entered, if any
 
 
 def enter_netns(name: str) -> None:
@@ -124,6 +125,7 @@ def enter_netns(name: str) -> None:
             raise OSError(err, f"setns {name}: {os.strerror(err)}")
     finally:
         os.close(fd)
+    _here.netns = name
 
 
 class Ns:
@@ -134,6 +136,10 @@ class Ns:
         self.pool = ThreadPoolExecutor(8, thread_name_prefix=name, initializer=enter_netns, initargs=(name,))
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a thread inside the namespace: this one if it is there already (a pool worker
+        waiting on its own pool could deadlock it), else one of the pool's."""
+        if getattr(_here, "netns", None) == self.name:
+            return fn(*args)
         return self.pool.submit(fn, *args).result()
 
     def thread(self, fn: Callable[[], None], name: str) -> threading.Thread:
