@@ -6,8 +6,14 @@ with the guide's command. The platform is the guide's webhook driver.
 
 Under steady traffic (a request every 100 ms to each of five sandboxes, each on a connection of its own,
 every answer kept) the guide's operations run in turn: a sandbox moved between hosts, a forwarder's key
-rotated, the scheduler restarted, the gateway reloaded, and at the end drained. The tests run in file order
-on one deployment; the last drains the gateway.
+rotated, the scheduler restarted, the gateway reloaded, and at the end drained; besides, the refusals and
+the 503 docs/gateway.md promises are provoked. The tests run in file order on one deployment; the last
+drains the gateway.
+
+Marked xfail (strict) where the product does not do yet what issue 22 asks, each for the reason seen with
+--runxfail: routes with a set of pins (point 17: the rotation), the scheduler's liveness after a restart
+(point 1), the last known route served while the scheduler is away (point 7), one connect deadline and a
+second route lookup before answering (point 3: a program down, a sandbox stopped before its new route).
 
 Times: the windows are this test's own clock (the same host as the daemons); idle events are the
 scheduler's own (`at` in its event log), the drain's length is the gateway's `stopped` line."""
