@@ -70,6 +70,14 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False, takeover: bo
     if check_only:
         print("forwarder: settings and certificates are valid")
         return 0
+    if settings.feed_url is None:
+        # Once per forwarder, before any worker starts: the scheduler idles a sandbox only on its
+        # forwarder's feed, so without one this host's sandboxes are never idled (and never stopped).
+        log.warning(
+            "no feed_url: this forwarder sends the scheduler no idle feed, so the scheduler never idles its "
+            "sandboxes; set feed_url to the scheduler's https://<host>:<port>/v1/feed (docs/forwarder.md)",
+            extra={"event": "feed_disabled"},
+        )
     if workers > 1:
         from forwarder.ingress.workers import supervise
 
