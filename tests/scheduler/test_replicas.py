@@ -47,10 +47,12 @@ class Pair:
 async def pair(pg_server: pg_support.PgServer, pki: dict[str, Path], request: pytest.FixtureRequest
                ) -> AsyncIterator[Pair]:
     dsn = pg_support.fresh_schema(pg_server)
-    platform = await Platform().start() if getattr(request, "param", False) else None
+    param = getattr(request, "param", False)  # True: with a platform; "no_feed": no SchedulerApp feed
+    platform = await Platform().start() if param is True else None
     url = platform.url if platform else None
-    a = await SchedulerApp(lambda: PgStore(dsn), pki, webhook_url=url).start()
-    b = await SchedulerApp(lambda: PgStore(dsn), pki, webhook_url=url).start()
+    feed = param != "no_feed"
+    a = await SchedulerApp(lambda: PgStore(dsn), pki, webhook_url=url, feed=feed).start()
+    b = await SchedulerApp(lambda: PgStore(dsn), pki, webhook_url=url, feed=feed).start()
     p = Pair(a, b, platform)
     try:
         yield p
@@ -81,6 +83,7 @@ async def test_each_idle_timer_fires_once_across_two_replicas(pair: Pair) -> Non
     assert sum(fired) == 20, fired
 
 
+@pytest.mark.parametrize("pair", ["no_feed"], indirect=True)  # it counts every batch the replicas applied
 async def test_feed_through_both_replicas_totals_exact(pair: Pair) -> None:
     for sid in ("sbx-a", "sbx-b"):
         await pair.ca.admin("PUT", f"/v1/sandboxes/{sid}", registration())
