@@ -177,7 +177,7 @@ def wait_for(cond: object, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out: {what}")
 
 
-def test_only_a_live_feed_idles_and_status_says_why(sched: Scheduler, pki: dict[str, Path]) -> None:
+def test_only_a_live_feed_idles_and_status_from_the_config_says_why(sched: Scheduler, pki: dict[str, Path]) -> None:
     port = sched.port
     assert call(port, "PUT", "/v1/sandboxes/sbx-fed", registration(idle_period_s=PERIOD), pki)[0] == 201
     assert call(port, "PUT", "/v1/sandboxes/sbx-unfed",
@@ -192,12 +192,17 @@ def test_only_a_live_feed_idles_and_status_says_why(sched: Scheduler, pki: dict[
         assert str(unfed["idle_blocked"]).startswith(f"no feed from {UNFED} since "), unfed
         assert state(port, pki, "sbx-fed")["idle_blocked"] is None
         assert feed.acked >= 3 * PERIOD / 0.2  # an empty batch every interval
-        out = subprocess.run([*CLI, "scheduler", "status", "--url", f"https://127.0.0.1:{port}", "--ca-file",
-                              str(pki["ca"]), "--token-file", str(pki["admin_token"])], env=clean_env(),
+        # Status finds the scheduler from its own settings alone (the port is not 8700).
+        out = subprocess.run([*CLI, "scheduler", "status", "--config", str(sched.config)], env=clean_env(),
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         rows = {ln.split()[0]: ln for ln in out.stdout.splitlines()[1:]}
         assert f"no feed from {UNFED} since " in rows["sbx-unfed"] and " idle " in rows["sbx-fed"]
+        # A flag still overrides what the file says.
+        bad = subprocess.run([*CLI, "scheduler", "status", "--config", str(sched.config), "--url",
+                              f"https://127.0.0.1:{free_port()}"], env=clean_env(),
+                             capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 1 and "cannot reach" in bad.stderr
     finally:
         feed.stopped.set()
         feed.join()
