@@ -196,6 +196,7 @@ def test_a_scheduler_restart_while_traffic_flows_idles_nothing(
     fwd = forwarder(tmp_path, pki, fwd_cert, procs, feed_url=f'"https://127.0.0.1:{sched.port}/v1/feed"',
                     feed_ca_file=f'"{pki.ca_file}"', feed_interval=0.2)
     sched.register("sbx-busy", fwd.port, fwd_cert[2], app.port)
+    assert fwd.events("feed_key_differs") == [] and fwd.events("feed_disabled") == []
     traffic = Traffic(fwd.port, pki, app.port, "sbx-busy")
     traffic.start()
     try:
