@@ -73,14 +73,16 @@ class Scheduler:
             "feed_interval = 0.2",
         ]) + "\n")
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log = tmp / "scheduler.log"
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SBXNET_")}
-        self.proc = subprocess.Popen([*CLI, "scheduler", "--config", str(self.config)], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with self.log.open("ab") as err:  # its stderr, every run appended (never a full pipe)
+            self.proc = subprocess.Popen([*CLI, "scheduler", "--config", str(self.config)], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 30
         while True:
-            assert self.proc.poll() is None, self.proc.communicate()
+            assert self.proc.poll() is None, self.log.read_text()
             try:
                 self.admin("GET", "/v1/sandboxes")
                 return
@@ -92,12 +94,12 @@ class Scheduler:
         proc, self.proc = self.proc, None
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
-            proc.communicate(timeout=30)
+            assert proc.wait(timeout=30) == 0, self.log.read_text()
 
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
-            self.proc.communicate()
+            self.proc.wait()
 
     def admin(self, method: str, path: str, body: object = None) -> object:
         import ssl

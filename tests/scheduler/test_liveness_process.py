@@ -66,17 +66,18 @@ def clean_env() -> dict[str, str]:
 
 
 class Scheduler:
-    def __init__(self, config: Path, port: int, db: Path) -> None:
-        self.config, self.port, self.db = config, port, db
+    def __init__(self, config: Path, port: int, db: Path, pki: dict[str, Path]) -> None:
+        self.config, self.port, self.db, self.pki = config, port, db, pki
         self.proc: subprocess.Popen[bytes] | None = None
-        self.logs: list[bytes] = []
+        self.log = config.parent / "scheduler.log"  # its stderr, every run appended (never a full pipe)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([*CLI, "scheduler", "--config", str(self.config)], env=clean_env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with self.log.open("ab") as err:
+            self.proc = subprocess.Popen([*CLI, "scheduler", "--config", str(self.config)], env=clean_env(),
+                                         stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.communicate()
+            assert self.proc.poll() is None, self.log.read_text()
             try:
                 call(self.port, "GET", "/v1/sandboxes", None, self.pki)
                 return
@@ -84,14 +85,11 @@ class Scheduler:
                 time.sleep(0.05)
         raise AssertionError("the scheduler did not answer")
 
-    pki: dict[str, Path] = {}
-
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=30)
-            self.logs.append(err)
+            assert proc.wait(timeout=30) == 0, self.log.read_text()
 
 
 def call(port: int, method: str, path: str, body: object, pki: dict[str, Path]) -> tuple[int, object]:
@@ -139,8 +137,7 @@ class ForwarderFeed(threading.Thread):
 def sched(pki: dict[str, Path], tmp_path: Path) -> Iterator[Scheduler]:
     port = free_port()
     db = tmp_path / "db" / "s.db"
-    s = Scheduler(write_config(tmp_path / "scheduler.toml", pki, db, port), port, db)
-    s.pki = pki
+    s = Scheduler(write_config(tmp_path / "scheduler.toml", pki, db, port), port, db, pki)
     (tmp_path / "db").mkdir()
     s.start()
     try:
@@ -148,7 +145,7 @@ def sched(pki: dict[str, Path], tmp_path: Path) -> Iterator[Scheduler]:
     finally:
         if s.proc is not None:
             s.proc.kill()
-            s.proc.communicate()
+            s.proc.wait()
 
 
 def events(db: Path, sandbox: str) -> list[tuple[str, str, float]]:
