@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 
@@ -21,12 +20,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     st = sub.add_parser("status", help="print each sandbox's state, activity, bytes and time to idle",
                         description="print each sandbox's state, activity, bytes and time to idle")
-    st.add_argument("--url", default=os.environ.get("SBXNET_SCHEDULER_URL", "https://127.0.0.1:8700"),
-                    help="the scheduler (default $SBXNET_SCHEDULER_URL or https://127.0.0.1:8700)")
-    st.add_argument("--ca-file", type=Path, default=os.environ.get("SBXNET_SCHEDULER_CA_FILE"),
-                    help="CA the scheduler's certificate chains to (default $SBXNET_SCHEDULER_CA_FILE)")
-    st.add_argument("--token-file", type=Path, default=os.environ.get("SBXNET_SCHEDULER_TOKEN_FILE"),
-                    help="file holding the admin token (default $SBXNET_SCHEDULER_TOKEN_FILE)")
+    st.add_argument("--config", type=Path, default=argparse.SUPPRESS,
+                    help="the scheduler's own TOML file (with its SBXNET_SCHEDULER_* environment, as the daemon "
+                         "reads them): the API address from listen_host and listen_port, the CA from ca_file, "
+                         "the token from admin_token_file; the flags below override each")
+    st.add_argument("--url", help="the scheduler (default: from --config, else $SBXNET_SCHEDULER_URL, else "
+                                  "https://127.0.0.1:8700)")
+    st.add_argument("--ca-file", type=Path,
+                    help="CA the scheduler's certificate chains to (default: ca_file of --config, else "
+                         "$SBXNET_SCHEDULER_CA_FILE)")
+    st.add_argument("--token-file", type=Path,
+                    help="file holding the admin token (default: admin_token_file of --config, else "
+                         "$SBXNET_SCHEDULER_TOKEN_FILE)")
     st.add_argument("--watch", action="store_true", help="refresh until interrupted")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     st.add_argument("--json", action="store_true", help="print the rows as JSON instead")

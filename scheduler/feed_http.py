@@ -16,6 +16,12 @@ body through ``pull_batch``, the decision and the write through ``ingest_batch``
   in ``refused``.
 - A body over ``MAX_BODY_BYTES`` gets 413 (aiohttp's ``client_max_size``); one ``pull_batch`` refuses gets
   400 (413 for ``too_large``) with the reason as the body, counted in ``refused``.
+- The forwarder's key is the SPKI pin of that same certificate (``certs.loader.spki_pin_of_der``): the
+  pin a route names its forwarder by. With a ``FeedLiveness`` (the scheduler's service always gives one),
+  each batch the store applied, or acknowledged again as a duplicate of an applied one, is that
+  forwarder's proof of life (``FeedLiveness.heard``), and the timer core, gated on feeds, is told when a
+  feed becomes live (``TimerCore.feed_live``) or goes stale (``expire_feeds``): docs/scheduler-api.md
+  "Feed liveness". A refused batch (409) is not: what it carried was not applied.
 - A store write that fails (``CoreAhead``) gets 500 and no answer body the forwarder would accept, so it
   resends the same batch; the timer core is rebuilt from the store first, since it holds changes the
   store does not.
@@ -36,6 +42,7 @@ awaiting. Each commit syncs the WAL (SqliteStore's default): one fsync per group
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import ssl
 import threading
@@ -45,14 +52,19 @@ from typing import Any
 
 from aiohttp import web
 
+from certs.loader import spki_pin_of_der
 from sbxnet.errors import ConfigError
 from sbxnet.protocol.feed import MAX_BODY_BYTES, MAX_STREAM, Batch, FeedError, pull_batch, push_answer
-from scheduler.feed_ledger import Decision
+from scheduler.feed_ledger import Decision, Verdict
+from scheduler.feed_liveness import FeedLiveness
 from scheduler.store import CoreAhead, Store, StoreError, ingest_batches, load_core
 from scheduler.store_thread import Busy, StoreThread
 from scheduler.timers import Event, TimerCore
 
+log = logging.getLogger("sbxnet.scheduler")
+
 FEED_PATH = "/v1/feed"
+_HEARD = (Verdict.APPLY, Verdict.DUPLICATE)  # the verdicts that say the forwarder's report is applied
 MAX_GROUP = 64  # batches per group transaction (a hundred streams' second is two)
 _STREAM_RE = re.compile(r"0|[1-9][0-9]{0,3}", re.ASCII)
 
@@ -69,7 +81,8 @@ class FeedService:
 
     ``now`` is the scheduler's clock for the timer core (wall seconds by default: the store keeps these
     times across restarts). ``on_events`` gets the events of each applied batch once it has committed
-    (on the store thread when there is one). ``worker``: the thread the store is used on."""
+    (on the store thread when there is one). ``worker``: the thread the store is used on. ``liveness``:
+    which forwarders' feeds are live; given, the core idles only on a live feed (``gate_on_feeds``)."""
 
     def __init__(
         self,
@@ -80,12 +93,17 @@ class FeedService:
         now: Callable[[], float] = time.time,
         on_events: Callable[[list[Event]], None] | None = None,
         worker: StoreThread | None = None,
+        liveness: FeedLiveness | None = None,
     ) -> None:
         self.store = store
         self.worker = worker
         self._open: _Group | None = None  # the last group submitted; batches may join it until it starts
         self.groups = 0  # group transactions run (with answered["apply"]: the batches per commit)
         self.core = core if core is not None else load_core(store)
+        self.liveness = liveness
+        if liveness is not None:
+            self.core.gate_on_feeds(liveness.live())
+        self._pins: dict[bytes, str] = {}  # a certificate's DER -> its SPKI pin (a forwarder's, seen already)
         self.allow = frozenset(allow)
         self._now = now
         self._on_events = on_events
@@ -98,16 +116,29 @@ class FeedService:
 
     def identity(self, request: web.Request) -> str | None:
         """The first SAN of the verified peer certificate that is allowed, or None (counted)."""
+        found = self._peer(request)
+        return None if found is None else found[0]
+
+    def _peer(self, request: web.Request) -> tuple[str, str] | None:
+        """The allowed SAN of the verified peer certificate and its key's SPKI pin, or None (counted)."""
         ssl_obj = request.transport.get_extra_info("ssl_object") if request.transport else None
         cert = ssl_obj.getpeercert() if ssl_obj is not None else None
-        if not cert:
+        if not cert or ssl_obj is None:
             _count(self.forbidden, "no_client_cert")
             return None
         for san in peer_sans(cert):
             if san in self.allow:
-                return san
+                return san, self._pin(ssl_obj.getpeercert(binary_form=True) or b"")
         _count(self.forbidden, "san_not_allowed")
         return None
+
+    def _pin(self, der: bytes) -> str:
+        pin = self._pins.get(der)
+        if pin is None:
+            if len(self._pins) >= 4096:
+                self._pins.clear()
+            pin = self._pins[der] = spki_pin_of_der(der)
+        return pin
 
     def stream(self, request: web.Request) -> int | str:
         """The request's stream number, or the reason it is refused (``bad_stream``, ``unknown_parameter``)."""
@@ -122,9 +153,10 @@ class FeedService:
         return int(values[0])
 
     async def handle_feed(self, request: web.Request) -> web.Response:
-        san = self.identity(request)
-        if san is None:
+        peer = self._peer(request)
+        if peer is None:
             return web.Response(status=403, text="forbidden")
+        san, key = peer
         stream = self.stream(request)
         if isinstance(stream, str):
             _count(self.refused, stream)
@@ -137,10 +169,10 @@ class FeedService:
             _count(self.refused, e.reason)
             return web.Response(status=e.http_status, text=e.reason)
         if self.worker is None:
-            decision = self.ingest(identity, batch)
+            decision = self.ingest(identity, batch, key)
         else:
             try:
-                group, index = self._join(identity, batch)
+                group, index = self._join(identity, batch, key)
             except Busy:
                 _count(self.refused, "busy")
                 return web.Response(status=503, text="busy", headers={"Retry-After": "1"})
@@ -152,7 +184,7 @@ class FeedService:
         answer = decision.answer
         return web.Response(status=answer.http_status, body=push_answer(answer), content_type="application/json")
 
-    def _join(self, identity: str, batch: Batch) -> tuple[_Group, int]:
+    def _join(self, identity: str, batch: Batch, key: str | None) -> tuple[_Group, int]:
         """The group this batch goes in, and its place there: the open one if nothing was submitted to
         the store thread after it and it has not started, else a new one (``Busy`` if the thread is full)."""
         worker = self.worker
@@ -162,8 +194,9 @@ class FeedService:
             with group.lock:
                 if not group.started and len(group.items) < MAX_GROUP:
                     group.items.append((identity, batch))
+                    group.keys.append(key)
                     return group, len(group.items) - 1
-        group = _Group([(identity, batch)])
+        group = _Group([(identity, batch)], [key])
         group.done = worker.submit(self._ingest_group, group, bounded=True)
         group.ticket = worker.submitted
         self._open = group
@@ -172,18 +205,22 @@ class FeedService:
     def _ingest_group(self, group: _Group) -> list[Decision | None]:
         with group.lock:
             group.started = True
-        return self.ingest_many(group.items)
+        return self.ingest_many(group.items, group.keys)
 
-    def ingest(self, identity: str, batch: Batch) -> Decision | None:
+    def ingest(self, identity: str, batch: Batch, key: str | None = None) -> Decision | None:
         """``ingest_many`` of one batch."""
-        return self.ingest_many([(identity, batch)])[0]
+        return self.ingest_many([(identity, batch)], [key])[0]
 
-    def ingest_many(self, items: list[tuple[str, Batch]]) -> list[Decision | None]:
+    def ingest_many(
+        self, items: list[tuple[str, Batch]], keys: list[str | None] | None = None
+    ) -> list[Decision | None]:
         """These batches judged, applied and committed in one transaction (on the store thread); their
         events handed to ``on_events`` after the commit, in order. None for each: the store failed (the
-        forwarders get 500 and resend)."""
+        forwarders get 500 and resend). ``keys``: each batch's forwarder key (its certificate's SPKI
+        pin; None: unknown), whose feed an applied batch proves live."""
+        now = self._now()
         try:
-            done = ingest_batches(self.core, self.store, items, self._now())
+            done = ingest_batches(self.core, self.store, items, now)
         except CoreAhead:
             self.store_errors += 1
             self._rebuild()
@@ -193,10 +230,35 @@ class FeedService:
             self.store_errors += 1
             return [None] * len(items)
         self.groups += 1
+        if self.liveness is not None and keys is not None:
+            for key, (decision, _) in zip(keys, done, strict=True):
+                if key is not None and decision.verdict in _HEARD:
+                    self._heard(key, now)
         events = [ev for _, evs in done for ev in evs]
         if events and self._on_events is not None:
             self._on_events(events)
         return [decision for decision, _ in done]
+
+    def _heard(self, key: str, now: float) -> None:
+        assert self.liveness is not None
+        since = self.liveness.heard(key, now)
+        if since is not None:
+            self.core.feed_live(key, since)
+            log.info("feed live: its forwarder's sandboxes may be idled again", extra={
+                "event": "feed_live", "fields": {"forwarder_pin": key}})
+
+    def expire_feeds(self, now: float) -> list[str]:
+        """The feeds silent longer than the liveness bound from ``now`` on: no sandbox of theirs is idled
+        until they report again (on the store thread: the core is its). Each logged once."""
+        if self.liveness is None:
+            return []
+        stale = self.liveness.expire(now)
+        for key in stale:
+            self.core.feed_stale(key)
+            log.warning("feed silent: its forwarder's sandboxes are not idled until it reports again", extra={
+                "event": "feed_stale",
+                "fields": {"forwarder_pin": key, "last_batch_at": self.liveness.silent_since(key)}})
+        return stale
 
     def _rebuild(self) -> None:
         try:
@@ -204,6 +266,8 @@ class FeedService:
         except StoreError:
             # The store cannot be read either: keep the core as it is; the next failure tries again.
             return
+        if self.liveness is not None:
+            self.core.gate_on_feeds(self.liveness.live())
         self.core_rebuilds += 1
 
 
@@ -211,8 +275,9 @@ class _Group:
     """Batches applied in one transaction; ``items`` grows on the loop until the store thread starts it
     (``started``, under ``lock``); ``done`` is each one's decision, in order."""
 
-    def __init__(self, items: list[tuple[str, Batch]]) -> None:
+    def __init__(self, items: list[tuple[str, Batch]], keys: list[str | None]) -> None:
         self.items = items
+        self.keys = keys  # each batch's forwarder key
         self.lock = threading.Lock()
         self.started = False
         self.ticket = -1  # the store thread's ``submitted`` right after this group's operation

@@ -277,7 +277,8 @@ async def _serve(settings: SchedulerSettings, worker: StoreThread, store: Store,
     _settle_heap()
     service = SchedulerService(store, forwarder_allow=settings.forwarder_san_allow,
                                auto_ready=settings.webhook_url is None, resync_s=settings.resync_s,
-                               source_stale_s=settings.source_stale_s, worker=worker, reader=reader,
+                               source_stale_s=settings.source_stale_s, feed_stale_s=settings.feed_stale_s,
+                               worker=worker, reader=reader,
                                reader_thread=reader_thread, core=core)
     api = Api(service, admin_token_sha256=settings.admin_hash(), gateway_allow=settings.gateway_san_allow,
               route_cache_s=settings.route_cache_s, negative_cache_s=settings.negative_cache_s)

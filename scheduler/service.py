@@ -32,6 +32,15 @@ that was down has old times for live streams too; their next batches refresh the
 store kept before they had a source (``store.UNATTRIBUTED``, from a migrated row) are forgotten then,
 once. This relies on a live stream sending a batch more often than ``source_stale_s``.
 
+Feed liveness (docs/scheduler-api.md "Feed liveness"): the service makes the ``FeedLiveness`` the feed
+adapter notes every applied batch in (per forwarder key, the route's SPKI pin), and its timer loop expires
+the feeds silent longer than ``feed_stale_s`` each round; the timer core idles a sandbox by its byte timer
+only while its forwarder's feed is live, and never over the silence before it became live. Nothing is
+live when this process starts. Liveness is this process's memory, not the store's: on a shared store a
+replica idles only the sandboxes of forwarders whose feeds it hears itself (the rows it locks and
+re-reads hold every replica's applied batches), and leaves the others to the replica that hears them.
+Status says why an active sandbox is not being idled (``idle_blocked``).
+
 What the service does not decide: the states and timers (``timers.TimerCore``), the feed's exactly-once
 rule (``feed_ledger``), the shapes on the wire (``sbxnet.protocol``).
 """
@@ -40,21 +49,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from sbxnet.errors import EnvironmentFault, LocalProtocolError
 from sbxnet.protocol.routes import Registration, Route
 from scheduler.feed_http import FeedService
-from scheduler.store import UNATTRIBUTED, Store, StoredSandbox, StoreError, Tx, load_core, sync_core
+from scheduler.feed_liveness import FeedLiveness
+from scheduler.store import UNATTRIBUTED, Store, StoredSandbox, StoreError, Tx, config_of, load_core, sync_core
 from scheduler.store_thread import StoreThread
 from scheduler.timers import (
-    Activity,
     Event,
-    SandboxConfig,
     SandboxStatus,
     State,
     TimerCore,
@@ -66,6 +75,7 @@ log = logging.getLogger("sbxnet.scheduler")
 T = TypeVar("T")
 
 MAX_TIMER_SLEEP_S = 0.5  # the timer loop looks again at least this often (a report can make a deadline appear)
+DEFAULT_FEED_STALE_S = 5.4  # 3 feed intervals (1 s) + the forwarder's longest retry (2 s + 20 %): settings.py
 MAX_SWEEP_S = 1.0  # stale feed sources are looked for this often (a quarter of source_stale_s if less)
 
 
@@ -92,7 +102,8 @@ class SchedulerService:
     ``worker``: the thread ``store`` is used on (one is made if not given); ``reader``: a second store
     object on the same database for the reads that must not wait behind a write (route lookups, status on
     a shared store, the event log), used on a thread of its own (``reader_thread``; made if not given).
-    Without a reader those reads go through ``worker``."""
+    Without a reader those reads go through ``worker``. ``feed_stale_s``: a forwarder's feed silent this
+    long is no longer live, and its sandboxes are not idled until it reports again."""
 
     def __init__(
         self,
@@ -103,6 +114,7 @@ class SchedulerService:
         auto_ready: bool = False,
         resync_s: float = 5.0,
         source_stale_s: float = 30.0,
+        feed_stale_s: float = DEFAULT_FEED_STALE_S,
         worker: StoreThread | None = None,
         reader: Store | None = None,
         reader_thread: StoreThread | None = None,
@@ -122,9 +134,10 @@ class SchedulerService:
         self._now = now
         self._started_at = now()  # forget_stale waits source_stale_s from here
         self._unattributed_forgotten = False
+        self.liveness = FeedLiveness(feed_stale_s, self._started_at)
         # ``core``: the store's, loaded already (on the store thread); otherwise loaded here.
         self.feed = FeedService(store, forwarder_allow, core=core, now=now, on_events=self._published,
-                                worker=self.worker)
+                                worker=self.worker, liveness=self.liveness)
         self._changed: dict[str, asyncio.Event] = {}  # sandbox -> set at its next state change
         self._new_events = asyncio.Event()  # the event stream and the webhook sender wait on it
         self._timer_kick = asyncio.Event()
@@ -231,8 +244,7 @@ class SchedulerService:
         now = self.now()
         with self._transaction([sandbox]) as tx:
             created = sandbox not in self.core
-            config = SandboxConfig(sandbox, registration.incarnation, registration.idle_period_s,
-                                   Activity(registration.activity), registered_at=now)
+            config = config_of(sandbox, registration, now)
             events = self.core.register(config, now)
             registered_at = self.core.config(sandbox).registered_at
             tx.put_registration(sandbox, registration, registered_at, self.core.snapshot(sandbox), events)
@@ -359,17 +371,36 @@ class SchedulerService:
 
     def status(self) -> list[SandboxStatus]:
         """Every sandbox's row. On a shared store from the store (this replica's core may lag another's
-        writes by up to ``resync_s``), otherwise from the core, which is then exactly the store."""
+        writes by up to ``resync_s``), otherwise from the core, which is then exactly the store. An active
+        sandbox whose forwarder's feed is not live says so (``idle_blocked``) and has no ``idle_in_s``."""
         if not self.store.shared:
-            return self.core.status(self.now())
+            return self._feed_notes(self.core, self.core.status(self.now()))
         return self._status_in(self.store)
 
     def _status_in(self, store: Store) -> list[SandboxStatus]:
         try:
-            return load_core(store).status(self.now())
+            core = load_core(store)
         except StoreError as e:
             self.counters["store_errors"] += 1
             raise Unavailable(f"{e.reason}: {e.detail}") from e
+        return self._feed_notes(core, core.status(self.now()))
+
+    def _feed_notes(self, core: TimerCore, rows: list[SandboxStatus]) -> list[SandboxStatus]:
+        """``rows`` (of ``core``'s sandboxes) with ``idle_blocked`` for each active one whose forwarder's
+        feed is not live: "no feed from <forwarder address> since <last batch, or this start>"."""
+        live = self.liveness.live()
+        out: list[SandboxStatus] = []
+        for row in rows:
+            if row.state is State.ACTIVE:
+                config = core.config(row.sandbox)
+                if not any(k in live for k in config.feed_keys):
+                    last = max((self.liveness.silent_since(k) for k in config.feed_keys),
+                               default=self.liveness.started_at)
+                    since = dt.datetime.fromtimestamp(last, dt.UTC)
+                    note = f"no feed from {config.forwarder} since {since.isoformat(timespec='seconds')}"
+                    row = replace(row, idle_in_s=None, idle_blocked=note)
+            out.append(row)
+        return out
 
     async def status_now(self) -> list[SandboxStatus]:
         """``status`` from the loop: the core on the store thread, or a shared store through the reader."""
@@ -391,7 +422,7 @@ class SchedulerService:
                 return row
         if self.store.shared:
             raise UnknownSandbox(sandbox)
-        return self.core.status_of(sandbox, self.now())
+        return self._feed_notes(self.core, [self.core.status_of(sandbox, self.now())])[0]
 
     # -- idle timers ----------------------------------------------------------------------------
 
@@ -499,6 +530,7 @@ class SchedulerService:
         """One round of the timer loop, on the store thread: the sweep, the due timers, a resync; returns
         the next deadline and whether the store failed."""
         failed = False
+        self.feed.expire_feeds(self.now())
         try:
             if sweep:
                 self.forget_stale()

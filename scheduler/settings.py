@@ -55,6 +55,12 @@ class SchedulerSettings(BaseSettings):
         30.0, ge=0, le=3600,
         description="a feed stream silent this long has its open connections forgotten (0: never)",
     )
+    feed_interval: float = Field(
+        1.0, ge=0.05, le=60, description="the forwarders' feed_interval (the longest, if they differ)",
+    )
+    feed_retry_cap: float = Field(
+        2.0, ge=0.25, le=60, description="the forwarders' feed_retry_cap (the longest, if they differ)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     _split = field_validator("gateway_san_allow", "forwarder_san_allow", mode="before")(split_list)
@@ -93,6 +99,13 @@ class SchedulerSettings(BaseSettings):
         if (self.admin_token_sha256 is None) == (self.admin_token_file is None):
             raise ValueError("set exactly one of admin_token_sha256 and admin_token_file")
         return self
+
+    @property
+    def feed_stale_s(self) -> float:
+        """How long a forwarder's feed may be silent and still be live (5.4 s by default): three of its
+        intervals, then its longest retry with the jitter (+20 %). Silent longer, none of its sandboxes is
+        idled until it reports again (docs/scheduler-api.md "Feed liveness")."""
+        return 3 * self.feed_interval + 1.2 * self.feed_retry_cap
 
     @property
     def sqlite_path(self) -> Path | None:

@@ -1,15 +1,19 @@
 """The client side of ``sbxnet scheduler status``: one ``GET /v1/sandboxes`` per refresh, over TLS with
-the admin token, printed with ``status_table.render``."""
+the admin token, printed with ``status_table.render``. Where to: the flags, else (``--config``) the
+scheduler's own settings, else the environment (``resolve``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
 
 from scheduler.status_table import render
 
@@ -24,9 +28,56 @@ def fetch(url: str, token: str, ctx: ssl.SSLContext, timeout: float = 5.0) -> li
     return rows
 
 
+DEFAULT_URL = "https://127.0.0.1:8700"
+
+
+def api_url(host: str, port: int) -> str:
+    """The URL to reach a scheduler listening on ``host``: a wildcard address is reached on loopback."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
+def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    """Fill ``args.url``, ``args.ca_file`` and ``args.token_file``: a flag given wins; then, with
+    ``--config``, the scheduler's own settings (its file and SBXNET_SCHEDULER_* environment, loaded as the
+    daemon loads them); then SBXNET_SCHEDULER_URL, _CA_FILE and _TOKEN_FILE; then the default URL. Returns
+    an error to print when the settings cannot be loaded."""
+    config = getattr(args, "config", None)
+    if config is not None:
+        from sbxnet.config import load_settings
+        from sbxnet.errors import SbxnetError
+        from scheduler.settings import SchedulerSettings
+
+        try:
+            settings = load_settings(SchedulerSettings, section="scheduler", config_file=config)
+        except (SbxnetError, OSError) as e:
+            return f"cannot read the scheduler's settings from {config}: {getattr(e, 'detail', None) or e}"
+        if args.url is None:
+            args.url = api_url(str(settings.listen_host), settings.listen_port)
+        if args.ca_file is None:
+            args.ca_file = settings.ca_file
+        if args.token_file is None:
+            args.token_file = settings.admin_token_file
+    if args.url is None:
+        args.url = env.get("SBXNET_SCHEDULER_URL") or DEFAULT_URL
+    if args.ca_file is None and env.get("SBXNET_SCHEDULER_CA_FILE"):
+        args.ca_file = Path(env["SBXNET_SCHEDULER_CA_FILE"])
+    if args.token_file is None and env.get("SBXNET_SCHEDULER_TOKEN_FILE"):
+        args.token_file = Path(env["SBXNET_SCHEDULER_TOKEN_FILE"])
+    return None
+
+
 def status(args: argparse.Namespace) -> int:
+    problem = resolve(args, os.environ)
+    if problem is not None:
+        print(f"scheduler status: {problem}", file=sys.stderr)
+        return 2
     if args.token_file is None:
-        print("scheduler status: --token-file (or SBXNET_SCHEDULER_TOKEN_FILE) is required", file=sys.stderr)
+        print("scheduler status: --token-file (or admin_token_file in --config, or SBXNET_SCHEDULER_TOKEN_FILE) "
+              "is required", file=sys.stderr)
         return 2
     try:
         token = args.token_file.read_text().strip()

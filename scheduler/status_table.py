@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-COLUMNS = ("SANDBOX", "STATE", "LAST ACTIVITY", "BYTES IN", "BYTES OUT", "OPEN", "HOLD", "IDLE IN")
+COLUMNS = ("SANDBOX", "STATE", "LAST ACTIVITY", "BYTES IN", "BYTES OUT", "OPEN", "HOLD", "IDLE IN", "NOTE")
 
 
 def human_bytes(n: int) -> str:
@@ -42,6 +42,8 @@ def row_cells(row: Mapping[str, object], now: float) -> tuple[str, ...]:
         str(row.get("open_connections") or 0),
         "-" if not isinstance(hold, int | float) else human_span(hold - now),
         "-" if not isinstance(idle_in, int | float) else human_span(idle_in),
+        # Why an active sandbox is not idled ("no feed from <forwarder> since <time>"), if it is not.
+        str(row.get("idle_blocked") or ""),
     )
 
 

@@ -84,8 +84,14 @@ class StoredSandbox:
     state: SandboxState
 
     def config(self) -> SandboxConfig:
-        r = self.registration
-        return SandboxConfig(self.sandbox, r.incarnation, r.idle_period_s, Activity(r.activity), self.registered_at)
+        return config_of(self.sandbox, self.registration, self.registered_at)
+
+
+def config_of(sandbox: str, r: Registration, registered_at: float) -> SandboxConfig:
+    """The timer core's config of a registration: its timer, and the forwarder whose feed is its evidence
+    (keyed by the route's SPKI pins: docs/scheduler-api.md "Feed liveness")."""
+    return SandboxConfig(sandbox, r.incarnation, r.idle_period_s, Activity(r.activity), registered_at,
+                         feed_keys=r.forwarder.spki_pins, forwarder=r.forwarder.address)
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,6 +499,8 @@ def _same_config(c: SandboxConfig, row: StoredSandbox) -> bool:
         and c.idle_period_s == r.idle_period_s
         and c.activity == r.activity
         and c.registered_at == row.registered_at
+        and c.feed_keys == r.forwarder.spki_pins
+        and c.forwarder == r.forwarder.address
     )
 
 

@@ -31,6 +31,15 @@ from one the core holds already by comparing versions alone. Every call that cha
 its version (None: unknown, read it again) until ``mark_stored``: a change that was never written can
 never pass for the stored row.
 
+Idle only on evidence (docs/scheduler-api.md "Feed liveness"): once ``gate_on_feeds`` is called (the
+scheduler's service always does), a sandbox's byte timer runs only while the feed of the forwarder its
+route names (``SandboxConfig.feed_keys``, the route's SPKI pins: a forwarder feeds with one of them) is
+live, and never from before the moment that feed became live (``feed_live``; with two keys live, the earlier
+spell); a sandbox none of whose keys has a live feed has no idle deadline (``feed_stale``). Which feeds
+are live is ``feed_liveness.FeedLiveness``'s, outside this core. Holds, wakes and the driver's reports
+work as before. An index (feed key -> sandboxes) keeps ``feed_live`` proportional to that forwarder's
+sandboxes.
+
 Timers: one heap with lazy invalidation, at most one live entry per sandbox. A deadline that moves
 later (the common case: every report) leaves the entry where it is; when the entry reaches the top it
 is moved to the real deadline. So a report costs O(1), ``next_timer()`` is exact (never earlier or
@@ -143,6 +152,10 @@ class SandboxConfig:
     idle_period_s: float
     activity: Activity = Activity.BYTES
     registered_at: float = 0.0
+    # The route's forwarder keys (its SPKI pins, current and next while a key rotates): a batch from a feed
+    # presenting any of them is this sandbox's evidence.
+    feed_keys: tuple[str, ...] = ()
+    forwarder: str = ""  # the route's forwarder address, for status
 
     def __post_init__(self) -> None:
         if not self.sandbox or not self.incarnation:
@@ -220,7 +233,10 @@ class SandboxStatus:
     bytes_out: int
     open_connections: int
     hold_until: float | None  # None when no hold is in force
-    idle_in_s: float | None  # None when no idle timer runs (not active, or held by open connections)
+    idle_in_s: float | None  # None when no idle timer runs (not active, held by open connections, no feed)
+    # Why an active sandbox is not being idled although its timer would run: its forwarder's feed is not
+    # live ("no feed from <forwarder> since <time>"; the service words it). None otherwise.
+    idle_blocked: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -233,6 +249,7 @@ class SandboxStatus:
             "open_connections": self.open_connections,
             "hold_until": self.hold_until,
             "idle_in_s": self.idle_in_s,
+            "idle_blocked": self.idle_blocked,
         }
 
 
@@ -263,7 +280,9 @@ class _Sandbox:
     heap_at: float | None = None
 
 
-def _deadline(sb: _Sandbox) -> float | None:
+def _deadline(sb: _Sandbox, feeds: Mapping[str, float] | None) -> float | None:
+    """The sandbox's idle deadline; None when no timer runs. ``feeds``: the live feeds' keys and the start
+    of their live spells when the core is gated on feeds (None: not gated)."""
     st = sb.st
     if st.state is not State.ACTIVE:
         return None
@@ -274,6 +293,13 @@ def _deadline(sb: _Sandbox) -> float | None:
         base = st.last_activity
     if st.hold_until is not None and st.hold_until > base:
         base = st.hold_until
+    if feeds is not None:
+        spells = [feeds[k] for k in sb.config.feed_keys if k in feeds]
+        if not spells:
+            return None  # no evidence: its forwarder's feed is not live
+        since = min(spells)
+        if since > base:
+            base = since
     return base + sb.config.idle_period_s
 
 
@@ -287,6 +313,10 @@ class TimerCore:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._heap: list[_Entry] = []
         self._by_source: dict[str, set[str]] = {}  # source -> sandboxes with a count from it
+        self._by_feed: dict[str, set[str]] = {}  # feed key -> the sandboxes whose route names it
+        # Gated on feeds (``gate_on_feeds``): the live feeds' keys and the start of each one's live spell.
+        # None: not gated, every byte timer runs (the core alone, as its own tests drive it).
+        self._feeds: dict[str, float] | None = None
         # How many sandboxes are in each state, kept as they move (``state_counts``): counting them when
         # asked was a pass over every sandbox, 70 ms a second at 100,000 of them.
         self._in_state: dict[State, int] = dict.fromkeys(State, 0)
@@ -301,15 +331,19 @@ class TimerCore:
         period and policy; a new incarnation starts afresh, ``active`` (one ``registered`` event)."""
         old = self._sandboxes.get(config.sandbox)
         if old is not None and old.config.incarnation == config.incarnation:
+            self._unindex_feed(old)
             old.config = replace(config, registered_at=old.config.registered_at)
+            self._index_feed(old)
             old.stored = None
             self._schedule(old)
             return []
         if old is not None:
             self._unindex(old)
+            self._unindex_feed(old)
             self._in_state[old.st.state] -= 1
         sb = _Sandbox(config, SandboxState(active_since=now))
         self._sandboxes[config.sandbox] = sb
+        self._index_feed(sb)
         self._in_state[State.ACTIVE] += 1
         self._schedule(sb)
         frm = None if old is None else old.st.state
@@ -321,6 +355,7 @@ class TimerCore:
         if sb is None:
             return False
         self._unindex(sb)
+        self._unindex_feed(sb)
         self._in_state[sb.st.state] -= 1
         return True
 
@@ -331,6 +366,7 @@ class TimerCore:
         old = self._sandboxes.get(config.sandbox)
         if old is not None:
             self._unindex(old)
+            self._unindex_feed(old)
             self._in_state[old.st.state] -= 1
         if old is not None and old.config == config:
             # The same registration (a row another replica wrote): the state replaced in place, so its heap
@@ -342,6 +378,7 @@ class TimerCore:
             self._sandboxes[config.sandbox] = sb
         for source in sb.st.open_by:
             self._by_source.setdefault(source, set()).add(config.sandbox)
+        self._index_feed(sb)
         self._in_state[sb.st.state] += 1
         self._schedule(sb)
 
@@ -555,6 +592,45 @@ class TimerCore:
         ``forget_source``)."""
         return sorted(self._by_source.get(source, ()))
 
+    # -- feed liveness -------------------------------------------------------------------------
+
+    def gate_on_feeds(self, live: Mapping[str, float]) -> None:
+        """From now on idle only on evidence: a byte timer runs only while the feed its sandbox's route
+        names is live. ``live``: the feeds live now, each with the start of its live spell (the service's
+        ``FeedLiveness.live()``; after a rebuild of the core, what it knew). Costs a pass over every
+        sandbox (at start, and after a rebuild)."""
+        self._feeds = dict(live)
+        for sb in self._sandboxes.values():
+            self._schedule(sb)
+
+    @property
+    def gated(self) -> bool:
+        return self._feeds is not None
+
+    def feed_live(self, key: str, since: float) -> None:
+        """The feed ``key`` became live at ``since`` (its first batch since the scheduler started or since
+        it went stale): its sandboxes' timers run again, none from before ``since``. Nothing when the
+        core is not gated or the feed is live already."""
+        feeds = self._feeds
+        if feeds is None or key in feeds:
+            return
+        feeds[key] = since
+        get = self._sandboxes.get
+        for sid in self._by_feed.get(key, ()):
+            sb = get(sid)
+            if sb is not None:
+                self._schedule(sb)
+
+    def feed_stale(self, key: str) -> None:
+        """The feed ``key`` went silent: its sandboxes are not idled until it is live again (their heap
+        entries go stale: an entry whose sandbox has no deadline is dropped when it comes up)."""
+        if self._feeds is not None:
+            self._feeds.pop(key, None)
+
+    def feed_is_live(self, key: str) -> bool:
+        """Whether the byte timers of sandboxes whose route names ``key`` run (always, when not gated)."""
+        return self._feeds is None or key in self._feeds
+
     # -- holds ---------------------------------------------------------------------------------
 
     def hold(self, sandbox: str, ttl_s: float, now: float) -> HoldOutcome:
@@ -583,7 +659,7 @@ class TimerCore:
             if sb.gen != gen or self._sandboxes.get(sb.config.sandbox) is not sb:
                 heapq.heappop(heap)
                 continue
-            d = _deadline(sb)
+            d = _deadline(sb, self._feeds)
             if d is None:
                 heapq.heappop(heap)
                 sb.heap_at = None
@@ -609,7 +685,7 @@ class TimerCore:
             if sb.gen != gen or self._sandboxes.get(sb.config.sandbox) is not sb:
                 heapq.heappop(heap)
                 continue
-            d = _deadline(sb)
+            d = _deadline(sb, self._feeds)
             if d is None:
                 heapq.heappop(heap)
                 sb.heap_at = None
@@ -633,7 +709,7 @@ class TimerCore:
             if at > now:
                 continue
             if sb.gen == gen and self._sandboxes.get(sb.config.sandbox) is sb:
-                d = _deadline(sb)
+                d = _deadline(sb, self._feeds)
                 if d is not None and d <= now:
                     out.append(sb.config.sandbox)
             todo.extend(j for j in (2 * i + 1, 2 * i + 2) if j < len(heap))
@@ -722,10 +798,9 @@ class TimerCore:
     def status_of(self, sandbox: str, now: float) -> SandboxStatus:
         return self._status(self._get(sandbox), now)
 
-    @staticmethod
-    def _status(sb: _Sandbox, now: float) -> SandboxStatus:
+    def _status(self, sb: _Sandbox, now: float) -> SandboxStatus:
         st = sb.st
-        d = _deadline(sb)
+        d = _deadline(sb, self._feeds)
         return SandboxStatus(
             sandbox=sb.config.sandbox,
             incarnation=sb.config.incarnation,
@@ -802,6 +877,19 @@ class TimerCore:
         sb.st.open_by.clear()
         sb.st.open_connections = 0
 
+    def _index_feed(self, sb: _Sandbox) -> None:
+        for key in sb.config.feed_keys:
+            self._by_feed.setdefault(key, set()).add(sb.config.sandbox)
+
+    def _unindex_feed(self, sb: _Sandbox) -> None:
+        sid = sb.config.sandbox
+        for key in sb.config.feed_keys:
+            held = self._by_feed.get(key)
+            if held is not None:
+                held.discard(sid)
+                if not held:
+                    del self._by_feed[key]
+
     def _unindex(self, sb: _Sandbox) -> None:
         for source in sb.st.open_by:
             self._unindex_one(source, sb.config.sandbox)
@@ -815,7 +903,7 @@ class TimerCore:
 
     def _schedule(self, sb: _Sandbox) -> None:
         """Keep the invariant: a sandbox with a deadline has a live heap entry no later than it."""
-        d = _deadline(sb)
+        d = _deadline(sb, self._feeds)
         if d is None or (sb.heap_at is not None and sb.heap_at <= d):
             return
         heap = self._heap

@@ -23,8 +23,13 @@ What it guarantees:
   same refusal for every later batch. A new epoch is always newer than the current one: if the supplier's
   is not (a clock stepped back), the current start time + 1 ns is used with the supplier's random part.
 - No answer (``on_failure``): the same batch again after a capped, jittered backoff: 0.25 s doubling to
-  10 s, each delay times a factor in [0.8, 1.2). A 409 or an ack for another seq backs off the same way,
-  so a scheduler that keeps refusing is not hammered. A 200 resets the backoff.
+  2 s (``backoff_cap_s``, the forwarder's ``feed_retry_cap``), each delay times a factor in [0.8, 1.2): a
+  scheduler that comes back hears from the forwarder within a few seconds, not tens. A 409 or an ack for
+  another seq backs off the same way, so a scheduler that keeps refusing is not hammered. A 200 resets the backoff.
+- Every interval reports, even when nothing moved: ``add(..., report_empty=True)`` (the adapter's take each
+  interval) makes ``next_body`` give an empty batch when nothing else waits, so a live feed is never
+  silent and its silence about a sandbox is evidence the sandbox had no traffic (the scheduler idles a
+  sandbox only while the feed of its forwarder is live: docs/scheduler-api.md "Feed liveness").
 - At most ``MAX_SANDBOXES`` sandboxes per batch (the oldest pending first); a count that would not fit
   the wire (2**63) is sent in parts, so nothing is ever refused by ``push_columns``.
 
@@ -73,7 +78,7 @@ if TYPE_CHECKING:
     _Ints = list[int] | array[int]
 
 BACKOFF_INITIAL_S = 0.25
-BACKOFF_CAP_S = 10.0
+BACKOFF_CAP_S = 2.0  # a scheduler that is back hears from us within about this long
 BACKOFF_JITTER = 0.2  # each delay is multiplied by a factor in [1 - j, 1 + j)
 
 
@@ -203,6 +208,7 @@ class Outbox:
         self._next_seq = 1
         self._pending = _Columns.empty()
         self._pending_since: float | None = None
+        self._empty_due = False  # an interval passed with nothing to report: send an empty batch
         self._flight: _InFlight | None = None
         self._awaiting = False  # the in-flight batch was handed out and not yet answered
         self._retry_at = -math.inf
@@ -260,15 +266,19 @@ class Outbox:
     def wake_at(self) -> float | None:
         """The earliest time ``next_batch`` may give a batch (-inf: now); None while a batch awaits its
         answer or nothing waits to be sent."""
-        if self._awaiting or (self._flight is None and not self._pending):
+        if self._awaiting or (self._flight is None and not self._pending and not self._empty_due):
             return None
         return self._retry_at
 
     # --- inputs -------------------------------------------------------------------------------------
 
-    def add(self, deltas: Deltas | Mapping[str, SandboxDelta], now: float) -> None:
+    def add(self, deltas: Deltas | Mapping[str, SandboxDelta], now: float, *, report_empty: bool = False) -> None:
         """Merge what ``Meter.take`` (columns) or ``Meter.take_deltas`` (a dict) returned into pending
-        (bytes_up is the feed's bytes_in)."""
+        (bytes_up is the feed's bytes_in). ``report_empty``: this is an interval's take, which is reported
+        even when it brought nothing: if no batch is in flight and nothing is pending, ``next_body`` then
+        gives an empty batch (the feed's proof of life)."""
+        if report_empty:
+            self._empty_due = True
         if isinstance(deltas, Deltas):
             cols = self._checked(deltas)
             if cols is None:
@@ -297,7 +307,7 @@ class Outbox:
         if self._awaiting or (now < self._retry_at and not ignore_backoff):
             return None
         if self._flight is None:
-            if not self._pending:
+            if not self._pending and not self._empty_due:
                 return None
             self._flight = self._freeze(now)
             if self._flight is None:
@@ -448,8 +458,9 @@ class Outbox:
                                 sent.open, idle)
         if not self._pending:
             self._pending_since = None
-        if not sent:
-            return None
+        if not sent and not self._empty_due:
+            return None  # every entry was dropped
+        self._empty_due = False  # a batch goes, so this interval is reported
         return _InFlight(self._epoch, self._next_seq, sent, idle, body, since)
 
     def _carriable(self, sent: _Columns, now: float) -> tuple[_Columns, list[int] | array[int]]:

@@ -2,8 +2,9 @@
 against the scheduler's ``POST /v1/feed``.
 
 Each ``interval`` it takes the meter's deltas (``Meter.take``, the only call it makes on the data
-path's state: synchronous, no I/O) into the outbox; then, while ``next_body`` gives a body, it POSTs it
-over one ``aiohttp.ClientSession`` with a timeout per request. A 200 or 409 whose body
+path's state: synchronous, no I/O) into the outbox, and reports them even when there are none (an empty
+batch: the scheduler idles a sandbox only while its forwarder's feed is live); then, while ``next_body``
+gives a body, it POSTs it over one ``aiohttp.ClientSession`` with a timeout per request. A 200 or 409 whose body
 ``pull_answer`` accepts goes to ``on_answer``; any other status, a refused answer body, a timeout or a
 connection or TLS error goes to ``on_failure`` with a counted reason. While backing off it sleeps until
 ``outbox.wake_at()`` (or the next interval, whichever is first), still taking deltas every interval so the
@@ -77,7 +78,8 @@ def reporter_for(
     here, so call it in the worker process itself: each process gets an epoch of its own."""
     if settings.feed_url is None:
         return None
-    outbox = Outbox(lambda: new_epoch(time.time_ns(), os.urandom(8)), random.Random())
+    outbox = Outbox(lambda: new_epoch(time.time_ns(), os.urandom(8)), random.Random(),
+                    backoff_cap_s=settings.feed_retry_cap)
     return FeedReporter(
         meter,
         outbox,
@@ -209,7 +211,8 @@ class FeedReporter:
                 self.ticks += 1
                 # On the loop: the planes' meters are the loop's.
                 deltas = self._meter.take(now, self._open_refresh)
-                await self._off_loop(self._outbox.add, deltas, now)
+                # Reported even when empty: a live feed is never silent (the scheduler idles by it).
+                await self._off_loop(self._outbox.add, deltas, now, report_empty=True)
                 self._observe(now)
                 next_tick = max(next_tick + self._interval, now)
             while not self._stopping.is_set() and await self._next_body() is not None:

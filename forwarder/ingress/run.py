@@ -76,6 +76,22 @@ def serve(settings: ForwarderSettings, *, check_only: bool = False, takeover: bo
     if check_only:
         print("forwarder: settings and certificates are valid")
         return 0
+    if settings.feed_url is None:
+        # Once per forwarder, before any worker starts: the scheduler idles a sandbox only on its
+        # forwarder's feed, so without one this host's sandboxes are never idled (and never stopped).
+        log.warning(
+            "no feed_url: this forwarder sends the scheduler no idle feed, so the scheduler never idles its "
+            "sandboxes; set feed_url to the scheduler's https://<host>:<port>/v1/feed (docs/forwarder.md)",
+            extra={"event": "feed_disabled"},
+        )
+    elif _feed_key_differs(settings):
+        # The scheduler ties a feed to the routes that pin its key (docs/scheduler-api.md "Feed liveness").
+        log.warning(
+            "feed_cert_file has another key than cert_file: the scheduler takes this feed as another "
+            "forwarder's, not the one its routes pin, and never idles this host's sandboxes; use a feed "
+            "certificate with cert_file's key, or leave feed_cert_file unset",
+            extra={"event": "feed_key_differs"},
+        )
     if workers > 1:
         from forwarder.ingress.workers import supervise
 
@@ -293,6 +309,23 @@ async def _first(*aws: Coroutine[Any, Any, Any]) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _feed_key_differs(settings: ForwarderSettings) -> bool:
+    """Whether the feed's certificate has another public key than the link's (unreadable: not said here;
+    the start checked both)."""
+    if settings.feed_cert_file is None:
+        return False
+    from cryptography import x509
+
+    from certs.mint import spki_pin
+
+    try:
+        pins = {spki_pin(x509.load_pem_x509_certificate(p.read_bytes()))
+                for p in (settings.cert_file, settings.feed_cert_file)}
+    except (OSError, ValueError):
+        return False
+    return len(pins) == 2
 
 
 def _feed_part(settings: ForwarderSettings, reporter: FeedReporter) -> Part:

@@ -71,6 +71,10 @@ class ForwarderSettings(BaseSettings):
     feed_ca_file: FilePath | None = Field(None, description="CA for the scheduler's certificate (default ca_file)")
     feed_interval: float = Field(1.0, ge=0.05, le=60, description="seconds between reports")
     feed_request_timeout: float = Field(5.0, gt=0, le=60, description="one POST, connect to answer")
+    feed_retry_cap: float = Field(
+        2.0, ge=0.25, le=60,
+        description="longest wait between retries of an unanswered report (0.25 s doubling to this, +-20 %)",
+    )
     feed_open_refresh: float = Field(
         10.0, ge=0.1, le=3600,
         description="a sandbox with open but silent connections is reported again this often (keep it under "

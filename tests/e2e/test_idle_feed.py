@@ -95,16 +95,16 @@ class Chain:
 async def chain(pki: Pki, tmp_path: Path) -> AsyncIterator[Chain]:
     cert, key = write_issued(mint_leaf(pki.ca, "scheduler", dns=("localhost",), ips=("127.0.0.1",), server=True),
                              pki.dir, "scheduler")
-    feed_cert, feed_key = write_issued(mint_leaf(pki.ca, "fwd-feed", uris=(FEED_SAN,), server=False, client=True),
-                                       pki.dir, "fwd-feed")
     sched_pki = {"ca": pki.ca_file, "scheduler": cert, "scheduler_key": key}
     platform = await Platform().start()
     # A feed stream silent for STALE seconds has its open connections forgotten; the forwarder reports
     # open-but-silent sandboxes again every OPEN_REFRESH, so a live stream never looks silent.
+    # The forwarder's own reporter is the feed (no SchedulerApp feed), sent with its link certificate
+    # (its SAN is FEED_SAN): the key the routes pin, so the scheduler idles these sandboxes on its evidence.
     sched = await SchedulerApp(lambda: SqliteStore(tmp_path / "s.db"), sched_pki, webhook_url=platform.url,
-                               gateway_allow=(GATEWAY_SAN,), source_stale_s=STALE).start()
-    settings = forwarder_settings(pki, feed_url=f"{sched.url}/v1/feed", feed_cert_file=feed_cert,
-                                  feed_key_file=feed_key, feed_interval=INTERVAL, feed_open_refresh=OPEN_REFRESH)
+                               gateway_allow=(GATEWAY_SAN,), source_stale_s=STALE, feed=False).start()
+    settings = forwarder_settings(pki, feed_url=f"{sched.url}/v1/feed", feed_interval=INTERVAL,
+                                  feed_open_refresh=OPEN_REFRESH)
     fwd = ForwarderThread(settings)
 
     async def start_reporter() -> FeedReporter:

@@ -37,7 +37,11 @@ def sched_pki(pki: Pki) -> dict[str, Path]:
     """The scheduler's certificate from the same CA, in the shape sched_support takes."""
     cert, key = write_issued(mint_leaf(pki.ca, "scheduler", dns=("localhost",), ips=("127.0.0.1",), server=True),
                              pki.dir, "scheduler")
-    return {"ca": pki.ca_file, "scheduler": cert, "scheduler_key": key}
+    fwd_cert, fwd_key = pki.paths["forwarder"]
+    # The forwarder's own certificate for SchedulerApp's feed: the key the routes pin, so the scheduler
+    # takes that feed as the evidence it idles these sandboxes on.
+    return {"ca": pki.ca_file, "scheduler": cert, "scheduler_key": key, "forwarder": fwd_cert,
+            "forwarder_key": fwd_key}
 
 
 def gateway_client_ctx(pki: Pki) -> ssl.SSLContext:

@@ -60,7 +60,10 @@ def make_pki(directory: Path) -> Pki:
     def leaf(stem: str, issuer: Issued, **kw: Any) -> None:
         pki.paths[stem] = write_issued(mint_leaf(issuer, stem, **kw), directory, stem)
 
-    leaf("forwarder", ca, dns=("localhost",), ips=("127.0.0.1", "::1"), server=True)
+    # Server and client, with a URI SAN, as `sbxnet certs forwarder` mints it: the link's certificate is
+    # also the idle feed's (sched_support's forwarder identity), so the feed's key is the one routes pin.
+    leaf("forwarder", ca, dns=("localhost",), ips=("127.0.0.1", "::1"), uris=("spiffe://t/forwarder/1",),
+         server=True, client=True)
     leaf("gateway", ca, uris=(GATEWAY_URI,), server=False, client=True)
     leaf("intruder", ca, uris=(f"spiffe://{TRUST_DOMAIN}/intruder",), server=False, client=True)
     old = dt.datetime.now(dt.UTC) - dt.timedelta(days=30)

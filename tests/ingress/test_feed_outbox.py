@@ -61,6 +61,33 @@ def test_nothing_to_send() -> None:
     assert ob.next_batch(1.0) is None and ob.pending_count == 0
 
 
+def test_an_interval_with_nothing_moved_is_reported_as_an_empty_batch() -> None:
+    # The scheduler idles a sandbox only while its forwarder's feed is live: every interval's take is
+    # reported, even one that brought nothing, so a live feed is never silent.
+    ob = outbox()
+    for tick in range(3):
+        now = float(tick)
+        ob.add({}, now, report_empty=True)
+        assert ob.wake_at() == float("-inf")
+        batch = ob.next_batch(now)
+        assert batch == Batch(ob.epoch, tick + 1, ())
+        assert ob.next_batch(now) is None  # one in flight
+        assert ob.on_answer(Answer.ok(tick + 1), now) == "acked"
+        assert ob.next_batch(now) is None and ob.wake_at() is None  # once per interval, not more
+    # An interval that brought deltas is reported by the batch that carries them (no extra empty one).
+    ob.add({"a": d(1, 0, last=3.0)}, 3.0, report_empty=True)
+    batch = ob.next_batch(3.0)
+    assert batch is not None and [r.sandbox for r in batch.sandboxes] == ["a"]
+    assert ob.on_answer(Answer.ok(batch.seq), 3.0) == "acked" and ob.next_batch(3.0) is None
+    # An empty batch that gets no answer is retried like any other, after the backoff.
+    ob.add({}, 4.0, report_empty=True)
+    empty = ob.next_batch(4.0)
+    assert empty is not None and empty.sandboxes == ()
+    ob.on_failure(4.0, "connect")
+    assert ob.wake_at() == pytest.approx(4.25) and ob.next_batch(4.2) is None
+    assert ob.next_batch(4.25) is empty
+
+
 def test_send_ack_next() -> None:
     ob = outbox()
     ob.add({"a": d(10, 20, 1, last=0.5), "b": d(1, 0, 0, last=0.75)}, 1.0)
@@ -101,9 +128,13 @@ def test_idle_s_is_the_age_at_freezing_and_never_negative() -> None:
 
 
 def test_backoff_schedule() -> None:
-    assert [backoff_delay(n, 0.5) for n in range(1, 10)] == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0]
+    # Capped at 2 s: a scheduler that comes back hears from the forwarder within 2.4 s (issue 22, point 1:
+    # a cap of 10 s made reports 9-19 s late after a scheduler restart).
+    assert BACKOFF_CAP_S == 2.0
+    assert [backoff_delay(n, 0.5) for n in range(1, 10)] == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
     assert backoff_delay(1, 0.0) == pytest.approx(0.2) and backoff_delay(1, 1.0) == pytest.approx(0.3)
-    assert backoff_delay(100, 0.0) == pytest.approx(8.0) and backoff_delay(10**6, 1.0) == pytest.approx(12.0)
+    assert backoff_delay(100, 0.0) == pytest.approx(1.6) and backoff_delay(10**6, 1.0) == pytest.approx(2.4)
+    assert backoff_delay(8, 0.5, cap=10.0) == 10.0  # the cap is the caller's (feed_retry_cap)
     for bad in (-0.01, 1.01, float("nan")):
         with pytest.raises(LocalProtocolError):
             backoff_delay(1, bad)
@@ -125,7 +156,7 @@ def test_failure_resends_the_same_bytes_after_the_backoff() -> None:
         ob.add({"a": d(100, 0, last=retry)}, retry)  # merged into pending, not into the frozen batch
         now = retry
         assert ob.next_batch(now) is b1 and ob.in_flight_body == body
-    assert waits == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert waits == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0]
     assert ob.failures == {"http_503": 8} and ob.consecutive_failures == 8 and ob.sends == 9
     assert ob.lag(now) == now  # the oldest unacknowledged delta was added at 0
     assert ob.on_answer(Answer.ok(1), now) == "acked"

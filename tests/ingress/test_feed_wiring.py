@@ -407,7 +407,25 @@ def test_no_feed_url_no_feed(tmp_path: Path, pki: Pki, procs: list[Proc]) -> Non
     assert not [k for k in s if k[0] == "sbxnet_forwarder_feed_posts_total"]
     code, err = proc.stop()
     assert code == 0, err
-    assert '"event": "feed_' not in err
+    # One warning at start, and nothing else of the feed: without one the scheduler never idles this
+    # host's sandboxes, which an operator must hear about (issue 22, point 2).
+    (warned,) = proc.events("feed_disabled")
+    assert warned["level"] == "warning" and "feed_url" in warned["msg"], warned
+    assert err.count('"event": "feed_') == 1
+
+
+def test_a_feed_certificate_with_another_key_is_warned_about(
+    tmp_path: Path, pki: Pki, fpki: FeedPki, procs: list[Proc], make_scheduler: Callable[..., SchedulerThread]
+) -> None:
+    # The scheduler ties a feed to the routes that pin its key: the "feed" certificate's key is not the
+    # link's, so this forwarder's sandboxes would never be idled. One warning at start says so.
+    sched = make_scheduler(["sbx-1"])
+    proc = start(procs, feed_config(tmp_path / "f.toml", pki, fpki, sched.url))
+    (warned,) = proc.wait_for("feed_key_differs")
+    assert warned["level"] == "warning" and "feed_cert_file" in warned["msg"], warned
+    code, err = proc.stop()
+    assert code == 0, err
+    assert err.count('"event": "feed_key_differs"') == 1
 
 
 def check(cfg: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
+import os
 import socket
 import ssl
 import time
@@ -18,7 +20,8 @@ import aiohttp
 from aiohttp import web
 
 from certs import loader
-from certs.mint import mint_ca, mint_leaf, write_issued
+from certs.mint import mint_ca, mint_leaf, spki_pin, write_issued
+from sbxnet.protocol.feed import new_epoch, push_columns
 from scheduler.api_http import Api
 from scheduler.service import SchedulerService
 from scheduler.store import Store, load_core
@@ -31,6 +34,11 @@ ADMIN_TOKEN = "admin-token-for-tests"
 ADMIN_SHA = hashlib.sha256(ADMIN_TOKEN.encode()).hexdigest()
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PIN = base64.b64encode(hashlib.sha256(b"spki").digest()).decode()
+# The SPKI pin of the forwarder certificate ``mint_pki`` minted last: ``registration``'s default, so the
+# routes tests register name the forwarder whose feed the tests post (the scheduler idles a sandbox only
+# while the feed of the forwarder its route names is live).
+_forwarder_pin = PIN
+HEARTBEAT_STREAM = 1023  # the stream SchedulerApp's forwarder feed reports on
 
 
 def mint_pki(d: Path) -> dict[str, Path]:
@@ -42,6 +50,8 @@ def mint_pki(d: Path) -> dict[str, Path]:
         "forwarder": mint_leaf(ca, "fwd", uris=(FORWARDER_SAN,), server=False, client=True),
         "foreign": mint_leaf(other_ca, "gw", uris=(GATEWAY_SAN,), server=False, client=True),
     }
+    global _forwarder_pin
+    _forwarder_pin = spki_pin(leaves["forwarder"].cert)
     out = {"ca": d / "ca.crt"}
     for stem, leaf in leaves.items():
         write_issued(leaf, d, stem)
@@ -74,9 +84,10 @@ def free_port() -> int:
 
 def registration(*, incarnation: str = "inc-1", idle_period_s: float = 300.0, activity: str = "bytes",
                  auth: str = "public", target_ip: str = "10.200.1.5", forwarder: str = "10.0.3.7:8443",
-                 pin: str = PIN, port: int = 8080, protocol: str = "http", **extra: Any) -> dict[str, Any]:
+                 pin: str | None = None, port: int = 8080, protocol: str = "http", **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "incarnation": incarnation, "forwarder": {"address": forwarder, "spki_pin": pin},
+        "incarnation": incarnation,
+        "forwarder": {"address": forwarder, "spki_pin": _forwarder_pin if pin is None else pin},
         "target_ip": target_ip, "default_port": port,
         "ports": {str(port): {"protocol": protocol, "auth": auth}}, "idle_period_s": idle_period_s,
         "activity": activity, **extra,
@@ -93,7 +104,11 @@ class SchedulerApp:
                  webhook_url: str | None = None, webhook_secret: bytes | None = None,
                  route_cache_s: int = 2, negative_cache_s: int = 1,
                  gateway_allow: tuple[str, ...] = (GATEWAY_SAN,), source_stale_s: float = 30.0,
-                 max_pending: int | None = None) -> None:
+                 max_pending: int | None = None, feed: bool = True) -> None:
+        # ``feed``: the forwarder (``mint_pki``'s) reports every 0.3 s with nothing moved, as a live
+        # forwarder does; without it, no sandbox registered with ``registration``'s pin is ever idled.
+        self.feed = feed
+        self._feed_task: asyncio.Task[None] | None = None
         self.source_stale_s = source_stale_s
         self.max_pending = max_pending
         self.gateway_allow = gateway_allow
@@ -142,13 +157,39 @@ class SchedulerApp:
         await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=server_ctx(self.pki),
                           reuse_address=True).start()
         self.service.start()
+        if self.feed:
+            fed = asyncio.Event()
+            self._feed_task = asyncio.create_task(self._heartbeat(fed))
+            await asyncio.wait_for(fed.wait(), 10)  # the feed is live before the test begins
         if self.webhook_url is not None:
             self.webhook = WebhookSender(store, self.webhook_url, news=self.service.new_events,
                                          worker=worker, secret=self.webhook_secret)
             self.webhook.start()
         return self
 
+    async def _heartbeat(self, fed: asyncio.Event) -> None:
+        """A live forwarder's feed with no traffic: an empty batch every 0.3 s on a stream of its own."""
+        epoch = new_epoch(time.time_ns(), os.urandom(8))
+        seq = 0
+        connector = aiohttp.TCPConnector(ssl=client_ctx(self.pki, "forwarder"))
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while True:
+                body = push_columns(epoch, seq + 1, [], [], [], [], [])
+                try:
+                    async with session.post(f"{self.url}/v1/feed?stream={HEARTBEAT_STREAM}", data=body) as resp:
+                        if resp.status == 200:
+                            seq += 1
+                            fed.set()
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.3)
+
     async def stop(self) -> None:
+        task, self._feed_task = self._feed_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -47,10 +47,13 @@ class Pair:
 async def pair(pg_server: pg_support.PgServer, pki: dict[str, Path], request: pytest.FixtureRequest
                ) -> AsyncIterator[Pair]:
     dsn = pg_support.fresh_schema(pg_server)
-    platform = await Platform().start() if getattr(request, "param", False) else None
+    # True: with a platform; "no_feed": no SchedulerApp feed; "feed_to_a": only replica a hears the feed.
+    param = getattr(request, "param", False)
+    platform = await Platform().start() if param is True else None
     url = platform.url if platform else None
-    a = await SchedulerApp(lambda: PgStore(dsn), pki, webhook_url=url).start()
-    b = await SchedulerApp(lambda: PgStore(dsn), pki, webhook_url=url).start()
+    feed = param != "no_feed"
+    a = await SchedulerApp(lambda: PgStore(dsn), pki, webhook_url=url, feed=feed).start()
+    b = await SchedulerApp(lambda: PgStore(dsn), pki, webhook_url=url, feed=feed and param != "feed_to_a").start()
     p = Pair(a, b, platform)
     try:
         yield p
@@ -81,6 +84,25 @@ async def test_each_idle_timer_fires_once_across_two_replicas(pair: Pair) -> Non
     assert sum(fired) == 20, fired
 
 
+@pytest.mark.parametrize("pair", ["feed_to_a"], indirect=True)
+async def test_only_the_replica_that_hears_a_feed_idles_its_sandboxes(pair: Pair) -> None:
+    # Feed liveness is each replica's own memory (docs/scheduler-api.md "Feed liveness"): b hears no feed
+    # from the forwarder these routes name, so it idles none of them, whatever its timers say; a does,
+    # once each, on the rows it locks and re-reads.
+    sids = [f"sbx-{i:02d}" for i in range(6)]
+    for i, sid in enumerate(sids):
+        client = pair.ca if i % 2 else pair.cb
+        assert (await client.admin("PUT", f"/v1/sandboxes/{sid}", registration(idle_period_s=1.0)))[0] == 201
+    await wait_for(lambda: sum(1 for e in pair.events() if e[2] == "idle") >= 6, 15.0, "six idle events")
+    await asyncio.sleep(1.0)
+    assert sorted(sid for sid, _, to in pair.events() if to == "idle") == sids
+    assert pair.a.service is not None and pair.b.service is not None
+    assert (pair.a.service.counters["timer_fires"], pair.b.service.counters["timer_fires"]) == (6, 0)
+    status, doc = await pair.cb.admin("GET", "/v1/sandboxes/sbx-00")
+    assert status == 200 and doc["state"] == "idle" and doc["idle_blocked"] is None  # not active: no note
+
+
+@pytest.mark.parametrize("pair", ["no_feed"], indirect=True)  # it counts every batch the replicas applied
 async def test_feed_through_both_replicas_totals_exact(pair: Pair) -> None:
     for sid in ("sbx-a", "sbx-b"):
         await pair.ca.admin("PUT", f"/v1/sandboxes/{sid}", registration())

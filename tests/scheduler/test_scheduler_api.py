@@ -102,7 +102,8 @@ async def test_register_replace_list_and_remove(sched: tuple[SchedulerApp, Clien
     assert status == 200 and [r["sandbox"] for r in doc["sandboxes"]] == ["sbx-1", "sbx-2"]
     row = doc["sandboxes"][0]
     assert set(row) == {"sandbox", "incarnation", "state", "last_activity", "bytes_in", "bytes_out",
-                        "open_connections", "hold_until", "idle_in_s"}
+                        "open_connections", "hold_until", "idle_in_s", "idle_blocked"}
+    assert row["idle_blocked"] is None  # its forwarder's feed is live (SchedulerApp's)
     assert 55 < row["idle_in_s"] <= 60  # the new period took effect
     assert await c.admin("DELETE", "/v1/sandboxes/sbx-2") == (200, {"sandbox": "sbx-2", "removed": True})
     assert (await c.admin("DELETE", "/v1/sandboxes/sbx-2"))[0] == 404

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from sched_support import ADMIN, ADMIN_SHA, FORWARDER_SAN, GATEWAY_SAN, client_ctx, free_port, mint_pki, registration
+from test_liveness_process import ForwarderFeed
 
 CLI = [sys.executable, "-m", "sbxnet.app.cli"]
 
@@ -82,7 +83,17 @@ def test_serves_registers_prints_status_and_stops_on_sigterm(
     assert call(port, "PUT", "/v1/sandboxes/sbx-web", registration(), pki)[0] == 201
     assert call(port, "PUT", "/v1/sandboxes/sbx-db", registration(idle_period_s=0.3), pki)[0] == 201
     assert call(port, "POST", "/v1/sandboxes/sbx-web/hold", {"ttl_s": 3600}, pki)[0] == 200
-    time.sleep(0.8)  # sbx-db goes idle
+    # sbx-db goes idle, on the evidence of its forwarder's live feed (the scheduler idles only on one).
+    feed = ForwarderFeed(port, pki)
+    feed.start()
+    try:
+        deadline = time.monotonic() + 10
+        while call(port, "GET", "/v1/sandboxes/sbx-db", None, pki)[1]["state"] != "idle":  # type: ignore[index]
+            assert time.monotonic() < deadline, "sbx-db never went idle"
+            time.sleep(0.05)
+    finally:
+        feed.stopped.set()
+        feed.join()
     out = subprocess.run([*CLI, "scheduler", "status", "--url", f"https://127.0.0.1:{port}",
                           "--ca-file", str(pki["ca"]), "--token-file", str(pki["admin_token"])],
                          capture_output=True, text=True, timeout=30)

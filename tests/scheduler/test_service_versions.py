@@ -10,7 +10,7 @@ from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
-from test_store_contract import reg
+from test_store_contract import PIN, reg
 
 from sbxnet.protocol.feed import Batch, SandboxReport, new_epoch
 from scheduler.service import SchedulerService
@@ -45,9 +45,13 @@ def test_rows_the_timers_and_the_sweep_wrote_are_not_read_again_by_the_next_batc
         return [q for q in statements if q.startswith("SELECT s.sandbox, s.registration")]
 
     def feed(seq: int, now: float, open_: int = 0) -> None:
+        # Through the service's feed adapter, from the forwarder the routes name (its key, the routes'
+        # pin): the service idles only on a live feed.
+        clock.t, was = now, clock.t
         b = Batch(E1, seq, tuple(SandboxReport(sid, 1, 1, open_, 0.0) for sid in SIDS))
-        decision, _ = ingest_batch(service.core, store, FWD, b, now)
-        assert decision.apply
+        decision = service.feed.ingest(FWD, b, PIN)
+        clock.t = was
+        assert decision is not None and decision.apply
 
     feed(1, 101.0, open_=1)
     statements.clear()

@@ -45,11 +45,12 @@ from scheduler.store import (
     CoreAhead,
     LedgerConflict,
     StoreError,
+    config_of,
     ingest_batch,
     load_core,
     sync_core,
 )
-from scheduler.timers import Event, SandboxConfig, State, TimerCore, Why
+from scheduler.timers import Event, State, TimerCore, Why
 
 ROOT = Path(__file__).resolve().parents[2]
 PIN = base64.b64encode(hashlib.sha256(b"spki").digest()).decode()
@@ -73,7 +74,7 @@ def reg(incarnation: str = "inc-1", period: float = 300, activity: str = "bytes"
 
 def register(core: TimerCore, store: SqliteStore, sid: str, r: Registration, now: float) -> list[Event]:
     """What the registry's PUT handler will do: the core first, then the store, in one transaction."""
-    events = core.register(SandboxConfig(sid, r.incarnation, r.idle_period_s, r.activity, now), now)  # type: ignore[arg-type]
+    events = core.register(config_of(sid, r, now), now)
     store.put_registration(sid, r, core.config(sid).registered_at, core.snapshot(sid), events)
     return events
 

@@ -29,7 +29,7 @@ from sbxnet.protocol.routes import Registration, pull_registration
 from scheduler.feed_ledger import Stored, Verdict, decide
 from scheduler.pg_store import PgStore
 from scheduler.sqlite_store import SqliteStore
-from scheduler.store import LedgerConflict, Store, ingest_batch, load_core, sync_core
+from scheduler.store import LedgerConflict, Store, config_of, ingest_batch, load_core, sync_core
 from scheduler.timers import Event, SandboxConfig, State, TimerCore, Why
 
 PIN = base64.b64encode(hashlib.sha256(b"spki").digest()).decode()
@@ -57,7 +57,7 @@ def register(core: TimerCore, store: Store, sid: str, r: Registration, now: floa
     """The registry's pattern: lock, restore, register in the core, write it back, in one transaction."""
     with store.transaction() as tx:
         sync_core(core, [sid], tx.lock([sid]))
-        events = core.register(SandboxConfig(sid, r.incarnation, r.idle_period_s, r.activity, now), now)  # type: ignore[arg-type]
+        events = core.register(config_of(sid, r, now), now)
         return tx.put_registration(sid, r, core.config(sid).registered_at, core.snapshot(sid), events)
 
 

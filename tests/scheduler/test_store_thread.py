@@ -118,7 +118,8 @@ class Stack:
 async def stack(backend: tuple[Callable[[], Store], Callable[[], Holder]], pki: dict[str, Path]
                 ) -> AsyncIterator[Stack]:
     make, holder = backend
-    app = await SchedulerApp(make, pki, max_pending=2).start()
+    # No feed of SchedulerApp's: these tests fill the store thread's queue themselves, and idle nothing.
+    app = await SchedulerApp(make, pki, max_pending=2, feed=False).start()
     s = Stack(app, holder)
     await s.register()
     try:

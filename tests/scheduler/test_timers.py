@@ -611,6 +611,7 @@ def test_status_rows_and_json_shape() -> None:
         "open_connections": 1,
         "hold_until": None,
         "idle_in_s": 8.0,
+        "idle_blocked": None,
     }
     core.on_timer(100.0)
     assert core.status_of("sbx-1", 100.0).idle_in_s is None
