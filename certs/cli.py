@@ -216,6 +216,9 @@ def _run_rotation(args: argparse.Namespace) -> int:
     kept = f" (was {was}, kept as {d / name}.prev.crt/.key)" if was else ""
     print(f"installed {d / name}.crt and {d / name}.key: SPKI pin {spki_pin(fresh.cert)}{kept}. SIGHUP the "
           f"forwarder; once it has reloaded, the routes may drop the old pin")
+    return 0
+
+
 def _token(args: argparse.Namespace) -> int:
     from certs.tokens import TokenFileError, new_token, read_token_file, token_sha256, write_token_file
 
