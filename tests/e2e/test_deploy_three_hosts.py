@@ -10,10 +10,6 @@ rotated, the scheduler restarted, the gateway reloaded, and at the end drained; 
 the 503 docs/gateway.md promises are provoked. The tests run in file order on one deployment; the last
 drains the gateway.
 
-Marked xfail (strict) where the product does not do yet what issue 22 asks, each for the reason seen with
---runxfail: the scheduler's liveness after a restart (point 1), and with it no failed request across the
-restart (points 1 and 7).
-
 Times: the windows are this test's own clock (the same host as the daemons); idle events are the
 scheduler's own (`at` in its event log), the drain's length is the gateway's `stopped` line."""
 
@@ -73,6 +69,7 @@ SLOW_S = 3.0
 SANDBOXES = {
     "alpha": ("host-1", 11, 300), "beta": ("host-1", 12, 300), "brisk": ("host-1", 13, 3),
     "gamma": ("host-2", 11, 300), "lively": ("host-2", 12, 5), "vault": ("host-2", 13, 300),
+    "sleepy": ("host-1", 17, 3),  # no traffic: goes idle, is stopped by the driver, woken by a request
 }
 MOVED_TO = 14  # alpha's address on host-2
 DOWN = 15  # on host-2: an address with no program behind it
@@ -339,6 +336,20 @@ def test_the_guide_deploys_routes_and_refuses_as_documented(deployment: Deployme
     assert rows["alpha"]["bytes_out"] > 0, rows["alpha"]  # the feed reported alpha's traffic
 
 
+def test_a_sandbox_without_traffic_is_idled_stopped_and_woken_by_a_request(deployment: Deployment) -> None:
+    """The guide's webhook driver at work: sleepy (idle period 3 s, no traffic) on host-1, whose feed is live,
+    is declared idle by its byte timer and the platform stops its program; a request then wakes it (waking,
+    the platform starts the program and says ready) and is answered 200."""
+    d = deployment
+    program = d.programs["sleepy"]
+    wait_for(lambda: not program.running, 30, "sleepy to be declared idle and stopped by the driver")
+    assert [e["to"] for e in d.platform.events if e["sandbox"] == "sleepy"] == ["idle"], d.platform.events
+    answer = d.get("sleepy")
+    assert answer.status == 200 and answer.body == "sleepy on host-1", answer
+    assert program.running
+    assert [e["to"] for e in d.platform.events if e["sandbox"] == "sleepy"] == ["idle", "waking"]
+
+
 def test_a_sandbox_moves_between_hosts_with_no_failed_request(deployment: Deployment) -> None:
     """The guide's move: start it on host-2, register the new route, wait, stop it on host-1."""
     d = deployment
@@ -436,8 +447,6 @@ def test_a_forwarder_key_rotates_with_no_failed_request(deployment: Deployment) 
     assert [a for a in answers if a.started > swapped + ROUTE_WAIT_S + 1.5], "no request after the swap"
 
 
-@pytest.mark.xfail(strict=True, reason="needs the scheduler's liveness after a restart: no idling before a feed "
-                   "reports again (issue 22 point 1)")
 def test_a_scheduler_restart_idles_no_sandbox_with_traffic(deployment: Deployment) -> None:
     d = deployment
     r = d.restart_scheduler()
@@ -447,8 +456,6 @@ def test_a_scheduler_restart_idles_no_sandbox_with_traffic(deployment: Deploymen
                          f"answered again this many seconds later: {late}): {idled}")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the gateway to serve the last known route while the scheduler is "
-                   "away (issue 22 point 7), and no sandbox stopped on a false idle after the restart (point 1)")
 def test_a_scheduler_restart_fails_no_request(deployment: Deployment) -> None:
     d = deployment
     r = d.restart_scheduler()
