@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import sys
 
 from gateway.route_source import StaticRoutes
@@ -33,14 +34,23 @@ def route_source(s: GatewaySettings) -> StaticRoutes | SchedulerRoutes:
     """The routes file, or the scheduler's client (its certificate the link's unless set apart)."""
     if s.routes_file is not None:
         return StaticRoutes(s.routes_file)
+    assert s.scheduler_url is not None
+    return SchedulerRoutes(s.scheduler_url, scheduler_context(s), timeout_s=s.scheduler_timeout)
+
+
+def scheduler_files(s: GatewaySettings) -> tuple[str, str, str]:
+    """The scheduler client's certificate, key and CA: ``scheduler_*``, each the link's unless set apart."""
+    return (str(s.scheduler_cert_file or s.upstream_cert_file), str(s.scheduler_key_file or s.upstream_key_file),
+            str(s.scheduler_ca_file or s.upstream_ca_file))
+
+
+def scheduler_context(s: GatewaySettings) -> ssl.SSLContext:
     from certs.loader import client_context
 
-    assert s.scheduler_url is not None
-    ctx = client_context(cert_file=s.scheduler_cert_file or s.upstream_cert_file,
-                         key_file=s.scheduler_key_file or s.upstream_key_file,
-                         ca_file=s.scheduler_ca_file or s.upstream_ca_file)
+    cert, key, ca = scheduler_files(s)
+    ctx = client_context(cert_file=cert, key_file=key, ca_file=ca)
     ctx.check_hostname = True  # the scheduler is one service reached by name: its certificate must name it
-    return SchedulerRoutes(s.scheduler_url, ctx, timeout_s=s.scheduler_timeout)
+    return ctx
 
 
 def build_config(settings: GatewaySettings) -> GatewayConfig:
@@ -82,9 +92,10 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
 def tls_files(s: GatewaySettings) -> dict[str, list[str]]:
     """Every certificate, key and CA file the gateway loads, certificates and keys paired in order (for
     ``certs.loader.diagnose``)."""
-    certs = [*s.cert_files, s.scheduler_cert_file or s.upstream_cert_file, s.upstream_cert_file]
-    keys = [*s.key_files, s.scheduler_key_file or s.upstream_key_file, s.upstream_key_file]
-    cas = [s.client_ca_file, s.scheduler_ca_file or s.upstream_ca_file, s.upstream_ca_file]
+    sched_cert, sched_key, sched_ca = scheduler_files(s)
+    certs = [*s.cert_files, sched_cert, s.upstream_cert_file]
+    keys = [*s.key_files, sched_key, s.upstream_key_file]
+    cas = [s.client_ca_file, sched_ca, s.upstream_ca_file]
     return {"certs": [str(f) for f in certs], "keys": [str(f) for f in keys],
             "cas": [str(f) for f in cas if f is not None]}
 
