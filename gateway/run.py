@@ -3,8 +3,9 @@
 SIGTERM and SIGINT drain (``GatewayServer.drain``: stop accepting, close idle HTTP connections in order,
 GOAWAY to HTTP/2, ``Connection: close`` on the answers in flight, return once the last connection is gone or
 cut what is left, upgrades and raw TCP among them, at ``drain_timeout``); SIGHUP
-reloads the client-facing certificates (and client CA) and the routes file, all or nothing
-(``sbxnet.reload``): if either fails to load, both are kept as they were and one line names the file.
+reloads the client-facing certificates (and client CA), the link's client certificate (``upstream_*``), the
+scheduler client's (``scheduler_*``) and the routes file, all or nothing (``sbxnet.reload``): if one fails
+to load, all are kept as they were and one line names the file.
 With ``workers`` > 1 the supervisor in ``sbxnet.supervisor`` starts that many of these processes
 (``gateway.worker``) on one port (SO_REUSEPORT), serves the ops endpoints with their metrics summed, and
 passes the signals on. Each worker has its own route source, route cache and wake coalescing.
@@ -16,11 +17,13 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 import sys
+from dataclasses import replace
 
 from gateway.route_source import StaticRoutes
 from gateway.scheduler_routes import SchedulerRoutes
-from gateway.server import GatewayConfig
+from gateway.server import GatewayConfig, GatewayServer
 from gateway.settings import GatewaySettings
 from sbxnet import jsonlog
 from sbxnet.errors import SbxnetError
@@ -33,14 +36,23 @@ def route_source(s: GatewaySettings) -> StaticRoutes | SchedulerRoutes:
     """The routes file, or the scheduler's client (its certificate the link's unless set apart)."""
     if s.routes_file is not None:
         return StaticRoutes(s.routes_file)
+    assert s.scheduler_url is not None
+    return SchedulerRoutes(s.scheduler_url, scheduler_context(s), timeout_s=s.scheduler_timeout)
+
+
+def scheduler_files(s: GatewaySettings) -> tuple[str, str, str]:
+    """The scheduler client's certificate, key and CA: ``scheduler_*``, each the link's unless set apart."""
+    return (str(s.scheduler_cert_file or s.upstream_cert_file), str(s.scheduler_key_file or s.upstream_key_file),
+            str(s.scheduler_ca_file or s.upstream_ca_file))
+
+
+def scheduler_context(s: GatewaySettings) -> ssl.SSLContext:
     from certs.loader import client_context
 
-    assert s.scheduler_url is not None
-    ctx = client_context(cert_file=s.scheduler_cert_file or s.upstream_cert_file,
-                         key_file=s.scheduler_key_file or s.upstream_key_file,
-                         ca_file=s.scheduler_ca_file or s.upstream_ca_file)
+    cert, key, ca = scheduler_files(s)
+    ctx = client_context(cert_file=cert, key_file=key, ca_file=ca)
     ctx.check_hostname = True  # the scheduler is one service reached by name: its certificate must name it
-    return SchedulerRoutes(s.scheduler_url, ctx, timeout_s=s.scheduler_timeout)
+    return ctx
 
 
 def build_config(settings: GatewaySettings) -> GatewayConfig:
@@ -82,9 +94,10 @@ def build_config(settings: GatewaySettings) -> GatewayConfig:
 def tls_files(s: GatewaySettings) -> dict[str, list[str]]:
     """Every certificate, key and CA file the gateway loads, certificates and keys paired in order (for
     ``certs.loader.diagnose``)."""
-    certs = [*s.cert_files, s.scheduler_cert_file or s.upstream_cert_file, s.upstream_cert_file]
-    keys = [*s.key_files, s.scheduler_key_file or s.upstream_key_file, s.upstream_key_file]
-    cas = [s.client_ca_file, s.scheduler_ca_file or s.upstream_ca_file, s.upstream_ca_file]
+    sched_cert, sched_key, sched_ca = scheduler_files(s)
+    certs = [*s.cert_files, sched_cert, s.upstream_cert_file]
+    keys = [*s.key_files, sched_key, s.upstream_key_file]
+    cas = [s.client_ca_file, sched_ca, s.upstream_ca_file]
     return {"certs": [str(f) for f in certs], "keys": [str(f) for f in keys],
             "cas": [str(f) for f in cas if f is not None]}
 
@@ -138,7 +151,6 @@ def run_single(settings: GatewaySettings, *, reuse_port: bool = False, ops: bool
 async def _main(settings: GatewaySettings, *, reuse_port: bool, ops: bool) -> int:
     from prometheus_client import generate_latest
 
-    from gateway.server import GatewayServer
     from sbxnet.listen import ListenError, bind_listener
     from sbxnet.ops_http import OpsServer
 
@@ -165,7 +177,7 @@ async def _main(settings: GatewaySettings, *, reuse_port: bool, ops: bool) -> in
         return 1
     # The signals before the listening line: from then on a SIGHUP reloads and a SIGTERM drains.
     stop = asyncio.Event()
-    parts = reload_parts(settings, config)
+    parts = reload_parts(settings, server)
     wire_signals(stop, lambda: reload(log, parts))
     await server.start(listener)
     log.info("gateway listening", extra={"event": "listening",
@@ -185,11 +197,13 @@ async def _main(settings: GatewaySettings, *, reuse_port: bool, ops: bool) -> in
     return 0
 
 
-def reload_parts(settings: GatewaySettings, config: GatewayConfig) -> list[Part]:
-    """What SIGHUP reloads: the client-facing certificates (and the client CA), and the routes file if
-    routes come from one. The link's and the scheduler's client certificates are read at start only."""
-    from certs.loader import LOAD_ERRORS, diagnose
+def reload_parts(settings: GatewaySettings, server: GatewayServer) -> list[Part]:
+    """What SIGHUP reloads: the client-facing certificates (and the client CA), the link's client
+    certificate (new links, and the warm pool drained), the scheduler client's (new lookups and wakes) if
+    routes come from the scheduler, or the routes file if they come from one."""
+    from certs.loader import LOAD_ERRORS, client_context, diagnose
 
+    config = server.config
     certs = [str(f) for f in settings.cert_files]
     keys = [str(f) for f in settings.key_files]
     cas = [str(settings.client_ca_file)] if settings.client_ca_file is not None else []
@@ -201,8 +215,41 @@ def reload_parts(settings: GatewaySettings, config: GatewayConfig) -> list[Part]
         except LOAD_ERRORS as e:
             raise ReloadError(*diagnose(e, certs=certs, keys=keys, cas=cas), kind=type(e).__name__) from None
 
-    parts = [Part("certificates", load_front, front.use, files=(*certs, *keys, *cas))]
+    link = (str(settings.upstream_cert_file), str(settings.upstream_key_file), str(settings.upstream_ca_file))
+
+    def load_link() -> object:
+        cert, key, ca = link
+        try:
+            return client_context(cert_file=cert, key_file=key, ca_file=ca)
+        except LOAD_ERRORS as e:
+            raise ReloadError(*diagnose(e, certs=[cert], keys=[key], cas=[ca]), kind=type(e).__name__) from None
+
+    def use_link(ctx: object) -> None:
+        # Links opened from now on present it; live ones keep theirs, the warm pool is drained.
+        assert isinstance(ctx, ssl.SSLContext)
+        config.upstream = replace(config.upstream, context=ctx)
+        if server.pool is not None:
+            server.pool.use_context(ctx)
+
+    parts = [Part("certificates", load_front, front.use, files=(*certs, *keys, *cas)),
+             Part("link client certificate", load_link, use_link, files=link)]
     routes = config.routes
+    if isinstance(routes, SchedulerRoutes):
+        scheduler = routes
+        sched = scheduler_files(settings)
+
+        def load_scheduler() -> object:
+            try:
+                return scheduler_context(settings)
+            except LOAD_ERRORS as e:
+                cert, key, ca = sched
+                raise ReloadError(*diagnose(e, certs=[cert], keys=[key], cas=[ca]), kind=type(e).__name__) from None
+
+        def use_scheduler(ctx: object) -> None:
+            assert isinstance(ctx, ssl.SSLContext)
+            scheduler.use_ssl_context(ctx)
+
+        parts.append(Part("scheduler client certificate", load_scheduler, use_scheduler, files=sched))
     if isinstance(routes, StaticRoutes):
         static = routes
 

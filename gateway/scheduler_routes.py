@@ -14,10 +14,15 @@ checks the scheduler's certificate against ``ca_file`` and its host name (the UR
 
 A wake's HTTP time-out is the wait the scheduler was given plus ``timeout_s``, so a long-poll that ends
 on time is not cut short.
+
+``use_ssl_context`` (SIGHUP reloaded the gateway's client certificate for the scheduler): lookups and wakes
+begun from then on go through a new session with the new context, so no connection kept alive with the old
+certificate is used again; those in flight finish on the old session, which is closed once they have.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 
 import aiohttp
@@ -33,6 +38,9 @@ class SchedulerRoutes:
         self._ssl = ssl_context
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._in_flight: dict[int, int] = {}  # calls under way, by id() of the session they use
+        self._retired: dict[int, aiohttp.ClientSession] = {}  # replaced sessions that still have calls
+        self._closing: set[asyncio.Task[None]] = set()
         self.failures: dict[str, int] = {}  # by reason, for metrics
 
     def _client(self) -> aiohttp.ClientSession:
@@ -43,19 +51,58 @@ class SchedulerRoutes:
             )
         return self._session
 
+    def use_ssl_context(self, ssl_context: ssl.SSLContext) -> None:
+        """Calls begun from now on present the certificate of ``ssl_context``; those in flight keep theirs."""
+        self._ssl = ssl_context
+        old, self._session = self._session, None
+        if old is None:
+            return
+        if self._in_flight.get(id(old)):
+            self._retired[id(old)] = old
+        else:
+            self._close_later(old)
+
+    def _close_later(self, session: aiohttp.ClientSession) -> None:
+        task = asyncio.get_running_loop().create_task(session.close(), name="scheduler-session-close")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _done(self, session: aiohttp.ClientSession) -> None:
+        left = self._in_flight[id(session)] - 1
+        if left:
+            self._in_flight[id(session)] = left
+            return
+        del self._in_flight[id(session)]
+        retired = self._retired.pop(id(session), None)
+        if retired is not None:
+            self._close_later(retired)
+
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        sessions = [*self._retired.values(), *([self._session] if self._session is not None else [])]
+        self._retired.clear()
+        self._session = None
+        for session in sessions:
+            await session.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     def _failed(self, reason: str, detail: str) -> RouteLookupFailed:
         self.failures[reason] = self.failures.get(reason, 0) + 1
         return RouteLookupFailed(reason, detail)
 
     async def _call(self, method: str, path: str, timeout_s: float) -> tuple[int, str | None, bytes]:
+        session = self._client()
+        self._in_flight[id(session)] = self._in_flight.get(id(session), 0) + 1
         try:
-            async with self._client().request(method, self.base_url + path,
-                                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return await self._request(session, method, path, timeout_s)
+        finally:
+            self._done(session)
+
+    async def _request(self, session: aiohttp.ClientSession, method: str, path: str,
+                       timeout_s: float) -> tuple[int, str | None, bytes]:
+        try:
+            async with session.request(method, self.base_url + path,
+                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await resp.content.read(MAX_BODY + 1)
                 if len(body) > MAX_BODY:
                     raise self._failed("answer_too_large", f"{method} {path}: answer over {MAX_BODY} bytes")

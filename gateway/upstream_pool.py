@@ -13,6 +13,11 @@ tick).
 pool), and each take, hit or miss, marks the forwarder as wanted and tops its links up in the
 background. A taken link that turns out dead at the preamble is the caller's to retry on a fresh
 connection (``upstream.open_upstream``): nothing of the client's was sent on it.
+
+``use_context`` (SIGHUP reloaded the gateway's client certificate) drains the pool: every ready link was
+handshaken with the old certificate, so each is retired (an orderly end) and a link a refill had in flight
+is dropped when it comes; the pool fills again with the new certificate, so no link made with the old one
+is handed out after a reload. A link already taken keeps its certificate for its life.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class WarmPool:
         self._opening = 0  # refill connects in flight, counted against max_total
         self._ticker: asyncio.Task[None] | None = None
         self._closed = False
+        self._generation = 0  # bumped by use_context: a link opened under an older one is not kept
+        self._retiring: set[asyncio.Task[None]] = set()
 
     @property
     def total(self) -> int:
@@ -115,6 +122,23 @@ class WarmPool:
         self._top_up(key)
         return stream
 
+    def use_context(self, context: ssl.SSLContext) -> None:
+        """Handshake new links with ``context`` from now on (a reloaded client certificate): the ready links,
+        made with the old one, are retired in the background and the forwarders still wanted are topped up
+        afresh; a refill in flight drops the link it is opening."""
+        self.context = context
+        self._generation += 1
+        old = [r.stream for q in self._ready.values() for r in q]
+        for q in self._ready.values():
+            q.clear()
+        self._set_gauge()
+        if old:
+            task = asyncio.get_running_loop().create_task(self._retire_all(old), name="warm-pool-retire")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        for key in list(self._wanted):
+            self._top_up(key)
+
     async def close(self) -> None:
         """Stop filling and close every pooled link (close_notify, then the socket)."""
         self._closed = True
@@ -124,6 +148,8 @@ class WarmPool:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
         for q in self._ready.values():
             while q:
                 await self._retire(q.popleft().stream)
@@ -150,8 +176,9 @@ class WarmPool:
         q = self._ready.setdefault(key, deque())
         while len(q) < self.size and self.total + self._opening < self.max_total:
             self._opening += 1
+            generation = self._generation
             try:
-                stream = await self._open(key)
+                stream = await self._open(key, self.context)
             except Exception:  # a bug here must not end the pool's filling for good, nor pass unseen
                 log.exception("warm pool fill failed", extra={"event": "internal"})
                 return
@@ -162,10 +189,13 @@ class WarmPool:
             if self._closed:
                 stream.abort()
                 return
+            if generation != self._generation:  # handshaken with the certificate a reload replaced
+                stream.abort()
+                continue
             q.append(_Ready(stream, loop.time()))
             self._set_gauge()
 
-    async def _open(self, key: PoolKey) -> TlsStream | None:
+    async def _open(self, key: PoolKey, context: ssl.SSLContext) -> TlsStream | None:
         connected = await connect_with_retry(
             ipaddress.ip_address(key.host), key.port, deadline_s=CONNECT_DEADLINE, syn_interval=SYN_INTERVAL_S,
             backoff_initial=BACKOFF_INITIAL_S, backoff_cap=BACKOFF_CAP_S)
@@ -175,7 +205,7 @@ class WarmPool:
                                                                     "reason": connected.last_error}})
             return None
         try:
-            stream = await TlsStream.connect(connected.sock, self.context, server_hostname=None,
+            stream = await TlsStream.connect(connected.sock, context, server_hostname=None,
                                              timeout=self.handshake_timeout)
         except (ssl.SSLError, OSError, TimeoutError):
             return None
@@ -218,6 +248,10 @@ class WarmPool:
             else:
                 self._top_up(key)
         self._set_gauge()
+
+    @classmethod
+    async def _retire_all(cls, streams: list[TlsStream]) -> None:
+        await asyncio.gather(*(cls._retire(s) for s in streams))
 
     @staticmethod
     async def _retire(stream: TlsStream) -> None:

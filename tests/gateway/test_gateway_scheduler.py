@@ -335,3 +335,65 @@ async def test_the_scheduler_down_serves_the_last_route_it_gave_for_a_bounded_ti
         await asyncio.to_thread(gw.stop)
         await asyncio.to_thread(fwd.stop)
         await sched.stop()
+
+
+async def test_a_new_client_context_serves_the_next_calls_and_lets_those_in_flight_finish(pki: Pki) -> None:
+    """``SchedulerRoutes.use_ssl_context`` (SIGHUP reloaded the scheduler client's certificate): the next
+    lookup presents the new certificate on a new connection, though one with the old was kept alive; a wake
+    in flight at the swap finishes on its connection, which is closed once it has. A stand-in scheduler that
+    holds each wake until told, and notes the client certificate each request came with."""
+    from aiohttp import web
+
+    seen: list[tuple[str, list[str]]] = []
+    release = asyncio.Event()
+
+    def sans(request: web.Request) -> list[str]:
+        cert = request.transport.get_extra_info("peercert") if request.transport else None
+        return [v for k, v in (cert or {}).get("subjectAltName", ()) if k == "URI"]
+
+    async def lookup(request: web.Request) -> web.Response:
+        seen.append((request.path, sans(request)))
+        return web.Response(status=404, headers={"Cache-Control": "max-age=0"})
+
+    async def wake(request: web.Request) -> web.Response:
+        seen.append((request.path, sans(request)))
+        await release.wait()
+        return web.Response(status=200)
+
+    paths = sched_pki(pki)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(paths["ca"]))
+    server_ctx.verify_mode = ssl.CERT_REQUIRED
+    server_ctx.load_cert_chain(paths["scheduler"], paths["scheduler_key"])
+    app = web.Application()
+    app.router.add_get("/v1/routes/{sandbox}", lookup)
+    app.router.add_post("/v1/sandboxes/{sandbox}/wake", wake)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+    await site.start()
+    port = runner.addresses[0][1]
+    renewed = "spiffe://sbxnet.test/gateway-renewed"
+    cert, key = write_issued(mint_leaf(pki.ca, "gateway-renewed", uris=(renewed,), server=False, client=True),
+                             pki.dir, "gateway-renewed")
+    new_ctx = client_context(cert_file=cert, key_file=key, ca_file=pki.ca_file)
+    new_ctx.check_hostname = True
+    routes = SchedulerRoutes(f"https://127.0.0.1:{port}", gateway_client_ctx(pki), timeout_s=5.0)
+    try:
+        assert (await routes.lookup("a")).route is None  # a connection kept alive, with the first certificate
+        waking = asyncio.create_task(routes.wake("b", 5.0))
+        await wait_for(lambda: len(seen) == 2)
+        old_session = routes._session
+        assert old_session is not None
+        routes.use_ssl_context(new_ctx)
+        assert (await routes.lookup("c")).route is None
+        assert not waking.done() and not old_session.closed  # the wake in flight keeps its connection
+        release.set()
+        assert await waking == "active"
+        await wait_for(lambda: old_session.closed)  # closed once its last call ended
+        assert routes.failures == {}
+        assert seen == [("/v1/routes/a", [GATEWAY_SAN]), ("/v1/sandboxes/b/wake", [GATEWAY_SAN]),
+                        ("/v1/routes/c", [renewed])]
+    finally:
+        release.set()
+        await routes.close()
+        await runner.cleanup()

@@ -107,11 +107,15 @@ class Daemon:
 
 class Deployment:
     """What a platform engineer runs: 'sbxnet certs dev' material, the scheduler (SQLite), one forwarder,
-    the gateway on the scheduler, and a sandbox app (an HTTP echo) behind the forwarder."""
+    the gateway on the scheduler, and a sandbox app (an HTTP echo) behind the forwarder. ``scheduler_client``:
+    the gateway's client certificate for the scheduler is one of its own, 'sbxnet certs gateway --name' that,
+    instead of the link's."""
 
-    def __init__(self, d: Path, *, pool: int = 0) -> None:
+    def __init__(self, d: Path, *, pool: int = 0, scheduler_client: str | None = None) -> None:
         self.d, self.pool = d, pool
         certs("dev", "--dir", str(d))
+        if scheduler_client is not None:
+            certs("gateway", "--dir", str(d), "--name", scheduler_client)
         front = mint_leaf(load_issued(d, "ca"), "front", dns=(f"*.{DOMAIN}",))
         self.front_cert, self.front_key = write_issued(front, d, "front")
         self.token = (d / "admin.token").read_text().strip()
@@ -147,6 +151,8 @@ class Deployment:
             f'scheduler_url = "https://127.0.0.1:{self.sched_port}"',
             f'upstream_cert_file = "{d / "gateway.crt"}"', f'upstream_key_file = "{d / "gateway.key"}"',
             f'upstream_ca_file = "{d / "ca.crt"}"', f"upstream_pool_size = {pool}",
+            *([f'scheduler_cert_file = "{d / scheduler_client}.crt"',
+               f'scheduler_key_file = "{d / scheduler_client}.key"'] if scheduler_client is not None else []),
         ]) + "\n")
         self.gateway = self._start(["gateway", "--config", str(d / "gateway.toml")], self.port)
         self.client_ctx = ssl.create_default_context(cafile=str(d / "ca.crt"))

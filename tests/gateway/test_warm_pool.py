@@ -197,3 +197,43 @@ def test_the_gateway_serves_new_client_connections_on_pooled_links(pki: Pki, tmp
         fwd.stop()
         app.stop()
     assert gw.server.pool is not None and gw.server.pool.total == 0  # the drain closed the pool
+
+
+def test_a_new_client_context_drains_the_pool_and_a_refill_in_flight(pki: Pki, forwarder: ForwarderThread) -> None:
+    """``use_context`` (SIGHUP reloaded the link's client certificate): the ready links, handshaken with the
+    old context, are retired, a link a refill was opening with it is dropped when it comes, and the pool
+    fills again with the new one; nothing made with the old one is handed out after."""
+    r = route(forwarder.port, 9, pki)  # no preamble is sent: the sandbox's port is never reached
+    old, new = policy(pki).context, policy(pki).context
+
+    def made_with(pool: WarmPool) -> list[ssl.SSLContext]:
+        return [ready.stream.ssl_object.context for q in pool._ready.values() for ready in q]
+
+    async def main() -> None:
+        pool = WarmPool(old, size=2, max_idle=30.0)
+        assert pool.take(r.forwarder) is None  # marks it wanted, starts the fill
+        await _until(lambda: pool.total == 2)
+        assert made_with(pool) == [old, old]
+        pool.use_context(new)  # the ready links retired; the forwarder still wanted, so refilled
+        assert pool.total == 0
+        await _until(lambda: pool.total == 2)
+        assert made_with(pool) == [new, new]
+
+        # A refill under way when the context changes: its link is not kept.
+        taken = pool.take(r.forwarder)
+        assert taken is not None and taken.ssl_object.context is new
+        taken.abort()
+        for _ in range(100):  # the top-up task runs up to its connect, and is in flight
+            if pool._opening:
+                break
+            await asyncio.sleep(0)
+        assert pool._opening == 1 and pool.total == 1
+        pool.use_context(old)
+        await _until(lambda: pool.total == 2)
+        assert made_with(pool) == [old, old]
+        await pool.close()
+
+    asyncio.run(main())
+    forwarder.wait_idle()
+    # The links retired at each swap ended in order (unused), not cut.
+    assert forwarder.sample("sbxnet_forwarder_preamble_rejects_total", {"reason": "unused"}) >= 3
