@@ -15,7 +15,8 @@ drains the gateway.
 
 Marked xfail (strict) where the product does not do yet what issue 22 asks, each for the reason seen with
 --runxfail: the scheduler's liveness after a restart (point 1), and with it no failed request across the
-restart (points 1 and 7).
+restart (point 1: the requests that fail are those to sandboxes the driver stopped on a false idle; with
+point 7 merged none gets 503 for want of a route while the scheduler is away).
 
 Times: the windows are this test's own clock (the same host as the daemons); idle events are the
 scheduler's own (`at` in its event log), the drain's length is the gateway's `stopped` line."""
@@ -347,6 +348,9 @@ def test_the_guide_deploys_routes_and_refuses_as_documented(deployment: Deployme
         ("token port, the token", 200, d.get("vault", headers=(f"Authorization: Bearer {TOKEN}",))),
         ("the guide's example", 200, d.get("web")),
         ("HTTP/1.1 Host other than the SNI", 421, d.get("alpha", host=f"beta.{DOMAIN}")),
+        ("GET *: a target not origin-form", 400, d.get("alpha", "*")),
+        ("a target with a fragment", 400, d.get("alpha", "/x#y")),
+        ("Connection naming a framing header", 400, d.get("alpha", headers=("Connection: Content-Length",))),
     ]:
         d.refusals.append((what, want, answer))
         assert answer.status == want, (what, answer)
@@ -508,13 +512,27 @@ def test_a_scheduler_restart_idles_no_sandbox_with_traffic(deployment: Deploymen
                          f"answered again this many seconds later: {late}): {idled}")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the gateway to serve the last known route while the scheduler is "
-                   "away (issue 22 point 7), and no sandbox stopped on a false idle after the restart (point 1)")
+@pytest.mark.xfail(strict=True, reason="needs no sandbox with traffic stopped on a false idle after the restart "
+                   "(issue 22 point 1): those are the requests that fail (502, then 503 not listening)")
 def test_a_scheduler_restart_fails_no_request(deployment: Deployment) -> None:
     d = deployment
     r = d.restart_scheduler()
     answers = d.traffic.between(r.stopped, r.end)
     assert answers and not failures(answers), summary(answers)
+
+
+def test_a_scheduler_restart_leaves_the_front_door_open(deployment: Deployment) -> None:
+    """The guide's restart, as far as the gateway goes: while the scheduler is away every sandbox with traffic
+    is served on the route it last gave (a `route_stale` line each), none gets 503 for want of a route."""
+    d = deployment
+    r = d.restart_scheduler()
+    log = [e for e in json_lines(d.log("edge", "gateway")) if r.stopped <= e.get("ts", 0) <= r.end]
+    no_route = [e for e in log if e.get("event") == "request" and e.get("reason") == "route_lookup_failed"]
+    assert no_route == [], no_route[:5]
+    stale = {e.get("sandbox_id") for e in log if e.get("event") == "route_stale"}
+    assert set(STEADY) <= stale, stale
+    during = d.traffic.between(r.stopped, r.started)
+    assert during and {a.status for a in during} == {200}, summary(during)
 
 
 def test_a_gateway_reload_drops_nothing_and_takes_the_new_certificate(deployment: Deployment) -> None:
@@ -561,6 +579,29 @@ def test_a_sandbox_whose_program_is_down_gets_503_with_retry_after(deployment: D
     answer = d.get("down")
     assert (answer.status, answer.retry_after) == (503, "1"), answer
     assert answer.ended - answer.started < 2 + SLOW_S, answer
+
+
+def test_a_route_whose_pin_is_not_the_forwarders_gets_502_at_once(deployment: Deployment) -> None:
+    """docs/deploy.md's table (docs/gateway.md): a forwarder whose key is none of the route's pins is 502
+    (pin_mismatch) after one more look at the route, with no further handshake: well within the route's
+    connect deadline (10 s, the default), not at its end."""
+    d = deployment
+    body = d.registration("beta", "host-1", d.programs["beta"].ip, address=f"{HOST_IPS['host-1']}:8443",
+                          spki_pins=[d.pins["host-2"]])
+    body.update(incarnation="wrongpin-1")
+    d.register("wrongpin", body)
+    seen = len(json_lines(d.log("edge", "gateway")))
+    answer = d.get("wrongpin")
+    d.refusals.append(("a route whose pin is not the forwarder's", 502, answer))
+    assert answer.status == 502, answer
+    assert answer.ended - answer.started < SLOW_S, answer
+
+    def lines() -> list[dict[str, Any]]:
+        return [e for e in json_lines(d.log("edge", "gateway"))[seen:]
+                if e.get("event") == "request" and e.get("sandbox_id") == "wrongpin"]
+    wait_for(lambda: bool(lines()), 10, "the request's access-log line")
+    (line,) = lines()
+    assert (line["status"], line.get("reason")) == (502, "pin_mismatch"), line
 
 
 def test_every_request_got_the_status_the_docs_promise(deployment: Deployment) -> None:
