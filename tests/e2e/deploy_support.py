@@ -58,11 +58,12 @@ WEBHOOK_PORT = 9000
 
 # -- the guide ----------------------------------------------------------------------------------------
 
-_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+_FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```$", re.S | re.M)  # a block in a list item is indented
 _JSON = re.compile(r"^<!-- on (\S+): (\S+) .*?-->\n```json\n(.*?)^```$", re.S | re.M)
 _ON = re.compile(r"# on (\S+): (.+)")
 _KEEPS = "# what each host keeps in /etc/sbxnet/"
 _START = re.compile(r"^sbxnet (scheduler|gateway|forwarder) --config (\S+) &$")
+_SCP = re.compile(r"^scp -p (\S+) root@(\S+):(\S+)$")
 
 
 @dataclass
@@ -77,7 +78,10 @@ class Guide:
         blocks: dict[tuple[str, str], str] = {}
         keeps: dict[str, list[str]] = {}
         for m in _FENCE.finditer(path.read_text()):
-            first, _, rest = m.group(2).partition("\n")
+            indent = len(m.group(1))
+            lines = m.group(3).splitlines(keepends=True)
+            assert all(not line.strip() or line.startswith(m.group(1)) for line in lines), m.group(0)
+            first, _, rest = "".join(line[indent:] for line in lines).partition("\n")
             on = _ON.fullmatch(first)
             if on is not None:
                 key = (on.group(1), on.group(2).strip())
@@ -102,6 +106,16 @@ class Guide:
             m = _START.fullmatch(line.strip())
             if m is not None:
                 out.append((m.group(1), m.group(2)))
+        return out
+
+    def copies(self, step: str) -> list[tuple[str, str, str]]:
+        """The files the admin machine's ``step`` block copies: (its local path, host address, remote path),
+        from lines ``scp -p <local> root@<address>:<remote>``; every line of the block must be one."""
+        out = []
+        for line in self.blocks[("admin", step)].splitlines():
+            m = _SCP.fullmatch(line.strip())
+            assert m is not None, f"docs/deploy.md's {step} block: not an 'scp -p FILE root@HOST:PATH' line: {line}"
+            out.append((m.group(1), m.group(2), m.group(3)))
         return out
 
     def mkdirs(self, host: str) -> list[str]:

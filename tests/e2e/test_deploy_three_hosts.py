@@ -2,11 +2,14 @@
 two sandbox hosts each with a forwarder and sandbox programs. The certificates come from the guide's own
 commands (run with bash), each host keeps the files the guide lists, each daemon runs on the TOML block the
 guide gives it (only /etc/sbxnet and /var/lib/sbxnet are moved under this test's directory) and is started
-with the guide's command. The platform is the guide's webhook driver.
+with the guide's command. The platform is the guide's webhook driver. A forwarder's key is rotated and its
+certificate renewed with the guide's blocks too (`sbxnet certs next-key`, `promote`, `renew` on the admin
+machine, its `scp` lines done as copies, the host's install block with the forwarder's pid).
 
 Under steady traffic (a request every 100 ms to each of five sandboxes, each on a connection of its own,
 every answer kept) the guide's operations run in turn: a sandbox moved between hosts, a forwarder's key
-rotated, the scheduler restarted, the gateway reloaded, and at the end drained; besides, the refusals and
+rotated and its certificate renewed, the scheduler restarted, the gateway reloaded, and at the end drained;
+besides, the refusals and
 the 503 docs/gateway.md promises are provoked. The tests run in file order on one deployment; the last
 drains the gateway.
 
@@ -112,15 +115,34 @@ class Deployment:
         return (text.replace("/etc/sbxnet", str(self.root / host / "etc"))
                 .replace("/var/lib/sbxnet", str(self.root / host / "var")))
 
-    def mint(self) -> None:
-        admin = self.root / "admin"
-        admin.mkdir()
+    def on_admin(self, step: str) -> str:
+        """The guide's ``step`` block for the admin machine, run with bash in its directory; its output."""
         env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}")
-        r = subprocess.run(["bash", "-euo", "pipefail", "-c", self.guide.blocks[("admin", "mint.sh")]], cwd=admin,
-                           env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, f"the guide's certificate commands failed: {r.stdout}{r.stderr}"
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", self.guide.blocks[("admin", step)]],
+                           cwd=self.root / "admin", env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"the guide's {step} failed: {r.stdout}{r.stderr}"
+        return r.stdout
+
+    def on_host(self, host: str, step: str, env: dict[str, str]) -> None:
+        """The guide's ``step`` block for ``host``, its paths moved, run with bash and ``env`` added."""
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", self.local(host, self.guide.blocks[(host, step)])],
+                           env=dict(os.environ, **env), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"the guide's {step} on {host} failed: {r.stdout}{r.stderr}"
+
+    def copy(self, step: str) -> None:
+        """The guide's ``scp -p`` lines of ``step``, done as copies from the admin machine's directory."""
+        by_ip = {ip: host for host, ip in HOST_IPS.items()}
+        for src, ip, dst in self.guide.copies(step):
+            shutil.copy2(self.root / "admin" / src, self.local(by_ip[ip], dst))
+
+    def pin_file(self, name: str) -> str:
+        return (self.pki / name).read_text().strip()
+
+    def mint(self) -> None:
+        (self.root / "admin").mkdir()
+        self.on_admin("mint.sh")
         for host in ("host-1", "host-2"):
-            self.pins[host] = (self.pki / f"{host}.pin").read_text().strip()
+            self.pins[host] = self.pin_file(f"{host}.pin")
 
     def distribute(self) -> None:
         assert set(self.guide.keeps) == {"edge", "host-1", "host-2"}, self.guide.keeps
@@ -182,7 +204,7 @@ class Deployment:
         auth = "token" if sid == "vault" else "public"
         body: dict[str, Any] = {
             "incarnation": f"{sid}-1",
-            "forwarder": forwarder or {"address": f"{HOST_IPS[host]}:8443", "spki_pin": self.pins[host]},
+            "forwarder": forwarder or {"address": f"{HOST_IPS[host]}:8443", "spki_pins": [self.pins[host]]},
             "target_ip": ip, "default_port": 8080, "ports": {"8080": {"protocol": "http", "auth": auth}},
             "idle_period_s": idle,
         }
@@ -205,6 +227,7 @@ class Deployment:
         # The guide's own example, registered as it stands: web on host-1.
         web = json.loads(self.guide.blocks[("platform", "web.json")].replace("<contents of host-1.pin>",
                                                                                self.pins["host-1"]))
+        assert web["forwarder"]["spki_pins"] == [self.pins["host-1"]], web
         assert web["forwarder"]["address"] == f"{HOST_IPS['host-1']}:8443"
         octet = int(web["target_ip"].rsplit(".", 1)[1])
         program = self.run_sandbox("web", "host-1", octet, web["default_port"])
@@ -321,6 +344,9 @@ def test_the_guide_deploys_routes_and_refuses_as_documented(deployment: Deployme
         ("token port, the token", 200, d.get("vault", headers=(f"Authorization: Bearer {TOKEN}",))),
         ("the guide's example", 200, d.get("web")),
         ("HTTP/1.1 Host other than the SNI", 421, d.get("alpha", host=f"beta.{DOMAIN}")),
+        ("GET *: a target not origin-form", 400, d.get("alpha", "*")),
+        ("a target with a fragment", 400, d.get("alpha", "/x#y")),
+        ("Connection naming a framing header", 400, d.get("alpha", headers=("Connection: Content-Length",))),
     ]:
         d.refusals.append((what, want, answer))
         assert answer.status == want, (what, answer)
@@ -342,7 +368,9 @@ def test_a_sandbox_without_traffic_is_idled_stopped_and_woken_by_a_request(deplo
     the platform starts the program and says ready) and is answered 200."""
     d = deployment
     program = d.programs["sleepy"]
-    wait_for(lambda: not program.running, 30, "sleepy to be declared idle and stopped by the driver")
+    wait_for(lambda: d.platform.admin("GET", "/v1/sandboxes/sleepy")[1].get("state") == "stopped", 30,
+             "sleepy to be declared idle and stopped by the driver")
+    assert not program.running
     assert [e["to"] for e in d.platform.events if e["sandbox"] == "sleepy"] == ["idle"], d.platform.events
     answer = d.get("sleepy")
     assert answer.status == 200 and answer.body == "sleepy on host-1", answer
@@ -407,15 +435,14 @@ def test_a_sandbox_stopped_before_its_new_route_fails_no_request(deployment: Dep
 
 
 def test_a_forwarder_key_rotates_with_no_failed_request(deployment: Deployment) -> None:
-    """The guide's rotation on host-1 (beta and brisk live there). The next key is minted with
-    certs/mint.py here: `sbxnet certs forwarder` has no way yet to mint it ahead (issue 22 point 17)."""
+    """The guide's rotation on host-1 (beta and brisk live there), its commands as written: next-key.sh,
+    the routes with both pins, the wait, promote.sh, the copy and the install, the routes with the new pin."""
     d = deployment
     start = time.time()
-    ca = load_issued(d.pki, "ca")
-    nxt = mint_leaf(ca, "host-1", ips=(HOST_IPS["host-1"],), uris=("spiffe://prod.example/forwarder/host-1",),
-                    server=True, client=True)
-    next_cert, next_key = write_issued(nxt, d.pki, "host-1.next")
-    current, next_pin = d.pins["host-1"], spki_pin(nxt.cert)
+    current = d.pins["host-1"]
+    d.on_admin("next-key.sh")
+    next_pin = d.pin_file("host-1.next.pin")
+    assert next_pin != current
     on_host_1 = [sid for sid, (host, _, _) in SANDBOXES.items() if host == "host-1" and sid != "alpha"]
 
     def pins(*p: str) -> None:
@@ -425,18 +452,18 @@ def test_a_forwarder_key_rotates_with_no_failed_request(deployment: Deployment) 
 
     pins(current, next_pin)
     time.sleep(ROUTE_WAIT_S)
-    etc = d.root / "host-1" / "etc"
+    d.on_admin("promote.sh")
+    assert d.pin_file("host-1.pin") == next_pin
+    assert spki_pin(load_issued(d.pki, "host-1.prev").cert) == current  # kept, to roll back with
     seen = len(json_lines(d.log("host-1", "forwarder")))
-    shutil.copy2(next_cert, etc / ".host-1.crt.new")
-    shutil.copy2(next_key, etc / ".host-1.key.new")
-    os.replace(etc / ".host-1.key.new", etc / "host-1.key")
-    os.replace(etc / ".host-1.crt.new", etc / "host-1.crt")
+    d.copy("copy")
+    d.on_host("host-1", "install", {"FORWARDER_PID": str(d.procs[("host-1", "forwarder")].pid)})
     swapped = time.time()
-    d.signal("host-1", "forwarder", signal.SIGHUP)
+    assert spki_pin(load_issued(d.root / "host-1" / "etc", "host-1").cert) == next_pin
     wait_for(lambda: any(e.get("event") == "reloaded" for e in json_lines(d.log("host-1", "forwarder"))[seen:]),
              10, "the forwarder's reload")
     time.sleep(1.5)
-    pins(next_pin)
+    pins(d.pin_file("host-1.pin"))
     d.pins["host-1"] = next_pin
     time.sleep(ROUTE_WAIT_S + 1.0)
     end = time.time()
@@ -445,6 +472,45 @@ def test_a_forwarder_key_rotates_with_no_failed_request(deployment: Deployment) 
     assert answers and not failures(answers), summary(answers)
     assert not slow(answers, SLOW_S), slow(answers, SLOW_S)
     assert [a for a in answers if a.started > swapped + ROUTE_WAIT_S + 1.5], "no request after the swap"
+
+
+def test_a_forwarder_certificate_renews_keeping_its_pin(deployment: Deployment) -> None:
+    """The guide's renewal on host-1, as written: renew.sh, the copy, the install. The pin is the same, no
+    route changes, the forwarder presents the renewed certificate, and no request fails."""
+    d = deployment
+    start = time.time()
+    etc = d.root / "host-1" / "etc"
+    before = load_issued(etc, "host-1").cert
+    d.on_admin("renew.sh")
+    seen = len(json_lines(d.log("host-1", "forwarder")))
+    d.copy("copy")
+    d.on_host("host-1", "install", {"FORWARDER_PID": str(d.procs[("host-1", "forwarder")].pid)})
+    renewed = load_issued(etc, "host-1").cert
+    assert renewed.serial_number != before.serial_number and spki_pin(renewed) == d.pins["host-1"]
+    wait_for(lambda: any(e.get("event") == "reloaded" for e in json_lines(d.log("host-1", "forwarder"))[seen:]),
+             10, "the forwarder's reload")
+    time.sleep(1.5)
+    end = time.time()
+    d.windows["renewal"] = (start, end)
+    on_host_1 = tuple(sid for sid, (host, _, _) in SANDBOXES.items() if host == "host-1" and sid != "alpha")
+    answers = d.traffic.between(start, end, on_host_1)
+    assert answers and not failures(answers), summary(answers)
+    assert not slow(answers, SLOW_S), slow(answers, SLOW_S)
+
+    def presented() -> bytes:
+        import socket
+
+        ctx = ssl.create_default_context(cafile=str(d.pki / "ca.crt"))
+        ctx.check_hostname = False
+        ctx.load_cert_chain(d.root / "edge" / "etc" / "gateway.crt", d.root / "edge" / "etc" / "gateway.key")
+        with socket.create_connection((HOST_IPS["host-1"], 8443), timeout=10) as raw, \
+                ctx.wrap_socket(raw) as s:
+            der = s.getpeercert(binary_form=True)
+        assert der is not None
+        return der
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    assert d.hosts.ns["edge"].call(presented) == renewed.public_bytes(Encoding.DER)
 
 
 def test_a_scheduler_restart_idles_no_sandbox_with_traffic(deployment: Deployment) -> None:
@@ -461,6 +527,20 @@ def test_a_scheduler_restart_fails_no_request(deployment: Deployment) -> None:
     r = d.restart_scheduler()
     answers = d.traffic.between(r.stopped, r.end)
     assert answers and not failures(answers), summary(answers)
+
+
+def test_a_scheduler_restart_leaves_the_front_door_open(deployment: Deployment) -> None:
+    """The guide's restart, as far as the gateway goes: while the scheduler is away every sandbox with traffic
+    is served on the route it last gave (a `route_stale` line each), none gets 503 for want of a route."""
+    d = deployment
+    r = d.restart_scheduler()
+    log = [e for e in json_lines(d.log("edge", "gateway")) if r.stopped <= e.get("ts", 0) <= r.end]
+    no_route = [e for e in log if e.get("event") == "request" and e.get("reason") == "route_lookup_failed"]
+    assert no_route == [], no_route[:5]
+    stale = {e.get("sandbox_id") for e in log if e.get("event") == "route_stale"}
+    assert set(STEADY) <= stale, stale
+    during = d.traffic.between(r.stopped, r.started)
+    assert during and {a.status for a in during} == {200}, summary(during)
 
 
 def test_a_gateway_reload_drops_nothing_and_takes_the_new_certificate(deployment: Deployment) -> None:
@@ -507,6 +587,29 @@ def test_a_sandbox_whose_program_is_down_gets_503_with_retry_after(deployment: D
     answer = d.get("down")
     assert (answer.status, answer.retry_after) == (503, "1"), answer
     assert answer.ended - answer.started < 2 + SLOW_S, answer
+
+
+def test_a_route_whose_pin_is_not_the_forwarders_gets_502_at_once(deployment: Deployment) -> None:
+    """docs/deploy.md's table (docs/gateway.md): a forwarder whose key is none of the route's pins is 502
+    (pin_mismatch) after one more look at the route, with no further handshake: well within the route's
+    connect deadline (10 s, the default), not at its end."""
+    d = deployment
+    body = d.registration("beta", "host-1", d.programs["beta"].ip, address=f"{HOST_IPS['host-1']}:8443",
+                          spki_pins=[d.pins["host-2"]])
+    body.update(incarnation="wrongpin-1")
+    d.register("wrongpin", body)
+    seen = len(json_lines(d.log("edge", "gateway")))
+    answer = d.get("wrongpin")
+    d.refusals.append(("a route whose pin is not the forwarder's", 502, answer))
+    assert answer.status == 502, answer
+    assert answer.ended - answer.started < SLOW_S, answer
+
+    def lines() -> list[dict[str, Any]]:
+        return [e for e in json_lines(d.log("edge", "gateway"))[seen:]
+                if e.get("event") == "request" and e.get("sandbox_id") == "wrongpin"]
+    wait_for(lambda: bool(lines()), 10, "the request's access-log line")
+    (line,) = lines()
+    assert (line["status"], line.get("reason")) == (502, "pin_mismatch"), line
 
 
 def test_every_request_got_the_status_the_docs_promise(deployment: Deployment) -> None:
