@@ -47,7 +47,7 @@ function, the check, our reason):
 - ``H2Stream._initialize_content_length``: a ``content-length`` that is not 1*DIGIT, or two that differ
   (RFC 9110 8.6): ``bad_content_length``;
 - ``H2Stream._track_content_length``: DATA that disagrees with ``content-length`` (8.1.1):
-  ``content_length_mismatch``, held by ``http2.py`` as the DATA comes, to ``h2_content_length``.
+  ``content_length_mismatch`` (``h2_data``, as each DATA frame comes).
 
 What h2 never checked, added here: a ``:method`` that is not a token (``bad_method``); ``content-length``
 other than 0 on a HEADERS frame with END_STREAM, which carries no DATA (``content_length_mismatch``); a
@@ -194,6 +194,19 @@ def check_h2_head(headers: Sequence[tuple[bytes, bytes]], *, ended: bool) -> Non
     check_method(method)
     if ended and length:
         raise RequestRefused("content_length_mismatch", "content-length on a request with no DATA")
+
+
+def h2_data(length: int | None, received: int, size: int, *, end: bool) -> bool:
+    """A DATA frame of ``size`` bytes brought a stream's DATA to ``received`` bytes (``end``: END_STREAM came
+    with it, or trailers came after it); ``length``: the request's content-length. ``content_length_mismatch``
+    when they disagree (more DATA than it, or an end short of it: RFC 9113 8.1.1). True when this DATA
+    completes the content-length before the stream has ended: it must wait for the end (or trailers) before
+    it goes upstream, so that an app never takes a whole request that then turns out malformed."""
+    if length is None:
+        return False
+    if received > length or (end and received != length):
+        raise RequestRefused("content_length_mismatch", "the DATA disagrees with content-length")
+    return received == length and size > 0 and not end
 
 
 def check_h2_trailers(headers: Sequence[tuple[bytes, bytes]]) -> None:

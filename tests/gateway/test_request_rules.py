@@ -16,6 +16,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from gateway.http2 import server_connection
 from gateway.request_rules import (
     MAX_METHOD,
     RequestRefused,
@@ -23,6 +24,7 @@ from gateway.request_rules import (
     check_h2_trailers,
     check_method,
     h2_content_length,
+    h2_data,
     upstream_target,
 )
 
@@ -211,7 +213,7 @@ def test_what_h2_accepted_and_rfc_9113_allows_passes(headers: list[tuple[bytes, 
 
 
 def test_the_functions_h2_checked_with_are_the_ones_the_table_names() -> None:
-    """An h2 upgrade that renames or drops what the table names fails here."""
+    """An h2 upgrade that renames or drops what the table and ``http2._RequestStream`` rely on fails here."""
     assert h2.__version__ == "4.4.1"
     import h2.utilities as u
 
@@ -219,6 +221,7 @@ def test_the_functions_h2_checked_with_are_the_ones_the_table_names() -> None:
         assert callable(getattr(u, name)), name
     for name in ("_initialize_content_length", "_track_content_length"):
         assert callable(getattr(h2.stream.H2Stream, name)), name
+    assert callable(h2.connection.H2Connection._begin_new_stream)
 
 
 def test_content_length_is_read_from_its_fields() -> None:
@@ -230,6 +233,79 @@ def test_content_length_is_read_from_its_fields() -> None:
         with pytest.raises(RequestRefused) as e:
             h2_content_length([*GET, *bad])
         assert e.value.reason == "bad_content_length"
+
+
+def test_the_gateways_h2_connection_takes_what_h2_refused_as_a_stream_and_data_against_content_length_too() -> None:
+    """h2 4.4 raised these as connection errors; the gateway's connection hands each to us as a stream (the
+    content-length checks included: ``http2._RequestStream``)."""
+    enc = hpack.Encoder()
+    frames = _headers_frame(enc, [*GET, (b"X-Up", b"1")], end=True)
+    f = hyperframe.frame.HeadersFrame(3)
+    f.data = enc.encode([(b":method", b"POST"), *GET[1:], (b"content-length", b"3")])
+    f.flags.add("END_HEADERS")
+    d = hyperframe.frame.DataFrame(3)
+    d.data = b"abcdef"
+    d.flags.add("END_STREAM")
+    wire = _PREFACE + frames + bytes(f.serialize()) + bytes(d.serialize())
+    with pytest.raises(h2.exceptions.ProtocolError):
+        _h2_server(validate=True).receive_data(wire)
+    events = _h2_server(validate=False).receive_data(wire)
+    assert [type(ev).__name__ for ev in events if getattr(ev, "stream_id", 0)] == [
+        "RequestReceived", "StreamEnded", "RequestReceived", "DataReceived", "StreamEnded"]
+
+
+@pytest.mark.parametrize(("length", "frames", "held", "refused"), [
+    (None, [(3, False), (0, True)], [False, False], False),
+    (3, [(3, True)], [False], False),
+    (3, [(1, False), (2, True)], [False, False], False),
+    (3, [(3, False), (0, True)], [True, False], False),  # the DATA that completes it waits for the end
+    (3, [(3, False), (0, False), (0, True)], [True, False, False], False),
+    (0, [(0, True)], [False], False),
+    (3, [(4, True)], [], True),
+    (3, [(3, False), (1, True)], [True], True),
+    (3, [(2, True)], [], True),
+    (0, [(1, False)], [], True),
+])
+def test_data_is_held_to_content_length(length: int | None, frames: list[tuple[int, bool]], held: list[bool],
+                                        refused: bool) -> None:
+    received = 0
+    got = []
+    try:
+        for size, end in frames:
+            received += size
+            got.append(h2_data(length, received, size, end=end))
+    except RequestRefused as e:
+        assert refused and e.reason == "content_length_mismatch"
+    else:
+        assert not refused
+    assert got == held
+
+
+@given(st.one_of(st.none(), st.integers(0, 20)), st.lists(st.integers(0, 8), max_size=6), st.booleans())
+def test_an_app_never_has_a_whole_body_before_the_stream_ends_well_formed(
+    length: int | None, sizes: list[int], ended: bool
+) -> None:
+    """DATA frames of ``sizes`` (the last with END_STREAM when ``ended``), passed on as ``http2`` does
+    (what ``h2_data`` holds waits for the end): what went up never reaches a content-length before the end;
+    at a well-formed end it is exactly the content-length; a refusal comes as soon as the DATA cannot fit."""
+    received = sent = held = 0
+    for i, size in enumerate(sizes):
+        end = ended and i == len(sizes) - 1
+        received += size
+        try:
+            hold = h2_data(length, received, size, end=end)
+        except RequestRefused:
+            assert length is not None and (received > length or (end and received != length))
+            return
+        if hold:
+            held += size
+            continue
+        sent += size + (held if end else 0)
+        held = 0 if end else held
+        if length and not end:
+            assert sent < length
+    if ended and sizes and length is not None:
+        assert sent == length == received
 
 
 @pytest.mark.parametrize(("trailers", "reason"), [
@@ -269,11 +345,15 @@ def _headers_frame(encoder: hpack.Encoder, headers: list[tuple[bytes, bytes]], *
 
 
 def _h2_server(*, validate: bool) -> h2.connection.H2Connection:
-    """An h2 server as the gateway ran it before (``validate``); no cookie joining, so h2 judges the fields
-    in the order they came (with it, h2 judged cookies moved last)."""
-    config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=validate,
-                                       normalize_inbound_headers=False)
-    conn = h2.connection.H2Connection(config)
+    """An h2 server with its inbound validation as the gateway ran it before (``validate``; no cookie
+    joining, so h2 judges the fields in the order they came: with it, h2 judged cookies moved last), or the
+    gateway's connection now (``http2.server_connection``)."""
+    if validate:
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True,
+                                           normalize_inbound_headers=False)
+        conn = h2.connection.H2Connection(config)
+    else:
+        conn = server_connection()
     conn.initiate_connection()
     return conn
 
@@ -380,12 +460,16 @@ def _informational(headers: list[tuple[bytes, bytes]]) -> bool:
 @settings(max_examples=600, deadline=None)
 @given(HEADS, st.booleans())
 def test_our_verdict_on_a_request_head_is_h2s(headers: list[tuple[bytes, bytes]], ended: bool) -> None:
-    """Any head: ``check_h2_head`` refuses what h2 with its validation refused and passes what it passed,
-    but for what we add (a method that is not a token, content-length on a head with END_STREAM)."""
+    """Any head: the gateway's h2 connection (validation off) takes it as a stream, with the fields exactly
+    as they came, and ``check_h2_head`` on them refuses what h2 with its validation refused and passes what
+    it passed, but for what we add (a method that is not a token, content-length on a head with END_STREAM)."""
     assume(not _informational(headers))
     h2_refused = _h2_refuses(headers, ended=ended)
+    events = _h2_server(validate=False).receive_data(_PREFACE + _headers_frame(hpack.Encoder(), headers, end=ended))
+    received = [ev for ev in events if isinstance(ev, h2.events.RequestReceived)]
+    assert len(received) == 1 and list(received[0].headers) == headers  # never a connection error
     try:
-        check_h2_head(headers, ended=ended)
+        check_h2_head(received[0].headers, ended=ended)
     except RequestRefused as e:
         if not h2_refused:
             method = dict(headers)[b":method"]
