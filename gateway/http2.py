@@ -167,7 +167,7 @@ def server_connection() -> h2.connection.H2Connection:
 class _Stream:
     id: int
     headers: list[tuple[bytes, bytes]]
-    ended: bool  # END_STREAM came with the request's HEADERS
+    ended: bool  # END_STREAM came with the request's HEADERS (or, for content-length 0, before it went up)
     refused: RequestRefused | None = None  # the head is malformed (request_rules): answered 400
     length: int | None = None  # its content-length: the DATA must add up to it (RFC 9113 8.1.1)
     received: int = 0  # DATA bytes received
@@ -589,7 +589,24 @@ class H2Session:
         if d.fwd.protocol == "h2c":
             await self._proxy_h2c(st, method, d)
         else:
+            if st.length == 0 and not st.ended:
+                await self._await_end(st)
             await self._proxy(st, method, d)
+
+    async def _await_end(self, st: _Stream) -> None:
+        """A head with ``content-length: 0`` that did not end its stream: as HTTP/1.1 the head alone is a whole
+        request, so it goes upstream only once the stream has ended well formed (END_STREAM, on an empty DATA
+        or trailers, whose fields have nowhere to go after a Content-Length body); DATA meanwhile is a stream
+        error (``_data``). Then it goes as a request whose stream ended with its head."""
+        while True:
+            item = await st.body.get()
+            if isinstance(item, tuple):  # an empty DATA frame
+                self._ack(item[1], st.id)
+                await self._flush()
+                continue
+            if item is _END:
+                break
+        st.ended = True
 
     async def _upstream_broke(self, st: _Stream, responded: bool) -> None:
         """The app's side failed: a stream already answered is reset, one not yet answered gets a 502."""

@@ -8,19 +8,19 @@ Each request is decided in the gateway's order (``H2Session._event`` and ``_stre
 ``request_rules.check_h2_head`` and ``h2_content_length`` (a malformed head: refused on its stream), CONNECT
 (501), ``request_rules.upstream_target`` (``admit``'s first step), then the name
 (``names.Names.request_name``); a refused one goes nowhere (its DATA is dropped), an accepted one is "sent
-upstream": its head, then its DATA as ``request_rules.h2_data`` lets it through (the DATA that completes
-its content-length waits for the end), its end. DATA against content-length or malformed trailers
+upstream": its head (one with ``content-length: 0`` and no END_STREAM only once its stream ended:
+``H2Session._await_end``), then its DATA as ``request_rules.h2_data`` lets it through (the DATA that
+completes its content-length waits for the end), its end. DATA against content-length or malformed trailers
 (``check_h2_trailers``) reset that stream only (its link aborted: the app sees a reset, never an end); a
 connection error h2 raises (frames, HPACK, stream states) aborts every upstream request not complete.
 
 Invariant (``one_input``): nothing of a refused request reaches the sandbox, and what does is well formed:
 a token method; an origin-form target (``*`` only for OPTIONS), printable, no fragment; lower-case header
 names, none connection-specific, ``te`` only ``trailers``; at most one ``content-length``, digits; the app
-holds a request's whole content-length of DATA only once its stream ended well formed, so an aborted one
-never got it whole (but for ``content-length: 0`` on a head without END_STREAM: that head is whole as it
-goes up); a request that ends upstream carried exactly its content-length; nothing arrives after its end.
-``classify(data)``: the first request's outcome:
-``ok`` (forwarded, not cut), its refusal reason, ``reset_<reason>`` (forwarded, then its stream reset for
+holds a request's whole content-length of DATA (its head, for 0) only once its stream ended well formed, so
+an aborted one never got it whole; a request that ends upstream carried exactly its content-length; nothing
+arrives after its end. ``classify(data)``: the first request's outcome: ``ok`` (forwarded, not cut), its
+refusal reason, ``reset_<reason>`` (forwarded, then its stream reset for
 that reason), ``protocol_error`` (the connection failed before its head was taken), ``none`` (no request
 and no error) or ``cut`` (forwarded, then aborted by a connection error).
 """
@@ -61,6 +61,7 @@ class Upstream:
     received: int = 0  # DATA bytes the client sent on the stream
     held: int = 0  # DATA bytes the gateway holds back (they complete the content-length before the end)
     body: int = 0  # DATA bytes that went upstream
+    head_sent: bool = True  # its head went upstream (one with content-length 0 waits for the stream's end)
     ended: bool = False
     aborted: str = ""  # why it was cut: a stream error's reason, "connection_error", "client_reset"
 
@@ -95,12 +96,13 @@ def _decide(ev: h2.events.RequestReceived) -> Upstream | str:
                            http2=True)
     except (RequestRefused, NameRefused) as e:
         return e.reason
-    return Upstream(method, target, [(n, v) for n, v in headers if not n.startswith(b":")], length)
+    return Upstream(method, target, [(n, v) for n, v in headers if not n.startswith(b":")], length,
+                    head_sent=not (length == 0 and ev.stream_ended is None))
 
 
 def _abort(up: Upstream, why: str) -> None:
-    up.aborted = why
-    if up.length and up.body >= up.length:
+    up.aborted = why  # after its end (a client's reset of the response): the request itself was whole
+    if not up.ended and up.head_sent and up.length is not None and up.body >= up.length:
         raise AssertionError(f"a request cut ({why}) had its whole content-length upstream")
 
 
@@ -119,7 +121,7 @@ def _data(up: Upstream, size: int, end: bool) -> None:
         up.body += up.held
         up.held = 0
     up.body += size
-    if up.length and up.body >= up.length and not end:
+    if up.head_sent and up.length is not None and up.body >= up.length and not end:
         raise AssertionError(f"the whole content-length ({up.length}) went upstream before the stream ended")
 
 
@@ -177,7 +179,7 @@ def run(data: bytes) -> tuple[dict[int, Upstream | str], bool]:
                     else:
                         up.body, up.held = up.body + up.held, 0
                 elif isinstance(ev, h2.events.StreamEnded):
-                    up.ended = True
+                    up.ended = up.head_sent = True
                 elif isinstance(ev, h2.events.StreamReset):
                     _abort(up, "client_reset")
         conn.data_to_send()

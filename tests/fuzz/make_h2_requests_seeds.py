@@ -156,6 +156,10 @@ def seeds() -> dict[str, bytes]:
         ([*head(b"/p", b"POST"), (b"content-length", b"10")], True, [b"abc"]))
     out["reset_content_length_mismatch-then-ok"] = client(
         ([*head(b"/p", b"POST"), (b"content-length", b"1")], True, [b"ab"]), (head(b"/ok"), True, []))
+    out["reset_content_length_mismatch-zero-then-data"] = client(
+        ([*head(b"/p", b"POST"), (b"content-length", b"0")], True, [b"x"]))
+    out["ok-content-length-zero-then-an-empty-end"] = client(
+        ([*head(b"/p", b"POST"), (b"content-length", b"0")], True, [b""]))
     out["ok-content-length-whole-then-an-empty-end"] = client(
         ([*head(b"/p", b"POST"), (b"content-length", b"3")], True, [b"abc", b""]))
     # Trailers: held to the field rules, no pseudo-header; a content-length the DATA fell short of.

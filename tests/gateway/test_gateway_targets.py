@@ -420,6 +420,37 @@ def test_the_data_that_completes_content_length_waits_for_the_end_of_the_stream(
     no_traceback(log)
 
 
+def test_a_content_length_zero_head_goes_up_only_once_its_stream_ended(stack: dict[str, Any]) -> None:
+    """content-length 0 on HEADERS without END_STREAM: as HTTP/1.1 that head alone is a whole request, so it
+    waits for the stream's end. DATA then resets the stream and the app never saw the request; an empty
+    DATA with END_STREAM sends it on."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = len(alpha.requests)
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            for sid, path in ((1, b"/bad"), (3, b"/good")):
+                c.send(sid, [*base(path, method=b"POST"), (b"content-length", b"0")], end=False)
+            time.sleep(0.5)  # time for the app to have answered, had a head gone up
+            assert len(alpha.requests) == before
+            assert not c.out
+            c.conn.send_data(1, b"x", end_stream=True)
+            c.conn.end_stream(3)
+            c.sock.sendall(c.conn.data_to_send())
+            out = c.wait(1, 3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert out[1].get("reset") == 1 and status(out, 3) == b"200"
+    seen = json.loads(out[3]["body"])
+    assert (seen["path"], seen["body_len"]) == ("/good", 0)
+    assert [r["path"] for r in alpha.requests[before:]] == ["/good"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(0, "content_length_mismatch"),
+                                                                                (200, "")]
+    no_traceback(log)
+
+
 H2_BAD_TRAILERS = {
     "pseudo-header": ([(b":path", b"/x")], "bad_pseudo_header"),
     "upper-case-name": ([(b"X-Sum", b"1")], "bad_header"),
