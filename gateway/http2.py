@@ -173,7 +173,7 @@ class _Stream:
     received: int = 0  # DATA bytes received
     held: tuple[bytes, int] | None = None  # the DATA that completed content-length, held until END_STREAM
     error: str = ""  # a stream error found after the head (reason token): reset PROTOCOL_ERROR
-    started: bool = False  # its task has begun (a task cancelled before that never runs its finally)
+    started: bool = False  # its task has begun (a task cancelled before that never runs its finally: not done)
     body: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)  # (data, flow length), trailers, _END
     window: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -464,7 +464,8 @@ class H2Session:
             st = self.streams.get(ev.stream_id)
             if st is not None and st.task is not None and not st.done:
                 st.reset_code = int(ev.error_code)
-                st.task.cancel()
+                if st.started:  # else its task sees reset_code as it begins (cancelled unstarted, it never runs)
+                    st.task.cancel()
         elif isinstance(ev, h2.events.WindowUpdated):
             if ev.stream_id == 0:
                 for st in self.streams.values():
@@ -534,7 +535,9 @@ class H2Session:
     async def _serve(self, st: _Stream) -> None:
         st.started = True
         try:
-            if not st.error:  # else it was reset before its task began: nothing to do but its line
+            if st.error or st.reset_code is not None:  # reset before its task began: nothing to do but its line
+                st.rec.reason = st.error or "client_reset"
+            else:
                 await self._stream(st)
         except (asyncio.CancelledError, _ClientGone, h2.exceptions.StreamClosedError):
             # the client left or reset the stream

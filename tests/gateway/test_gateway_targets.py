@@ -451,6 +451,30 @@ def test_a_content_length_zero_head_goes_up_only_once_its_stream_ended(stack: di
     no_traceback(log)
 
 
+def test_a_stream_the_client_resets_in_the_read_that_opened_it_still_gets_its_line(stack: dict[str, Any]) -> None:
+    """HEADERS then RST_STREAM in one write: the stream's task is told before it begins (a task cancelled
+    before it starts never runs its ``finally``: no line, and the stream stayed open for the drain and the
+    idle timer). Found beside point 9, whose stream errors take the same path."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = len(alpha.requests)
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.conn.send_headers(1, base(b"/r", method=b"POST"))
+            c.conn.reset_stream(1)
+            c.sock.sendall(c.conn.data_to_send())
+            c.get(3, f"alpha.{DOMAIN}", b"/after")
+            out = c.wait(3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert status(out, 3) == b"200"
+    assert [r["path"] for r in alpha.requests[before:]] == ["/after"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(0, "client_reset"), (200, "")]
+    no_traceback(log)
+
+
 H2_BAD_TRAILERS = {
     "pseudo-header": ([(b":path", b"/x")], "bad_pseudo_header"),
     "upper-case-name": ([(b"X-Sum", b"1")], "bad_header"),
