@@ -80,6 +80,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.stream
+import h2.utilities
 
 from gateway import h1_codec as h1
 from gateway import h2c_upstream as h2c
@@ -131,17 +132,47 @@ def goaway_frame(last_stream_id: int, error_code: int = 0, debug: bytes = b"") -
     return len(payload).to_bytes(3, "big") + bytes((_GOAWAY, 0)) + bytes(4) + payload
 
 
+class _TrailersWithoutEnd(h2.events.Event):
+    """Trailers came without END_STREAM: h2 has reset the stream PROTOCOL_ERROR (``_RequestStream``)."""
+
+    def __init__(self, stream_id: int) -> None:
+        self.stream_id = stream_id
+
+
 class _RequestStream(h2.stream.H2Stream):
-    """h2's stream without its content-length checks: h2 (4.4) raises a malformed ``content-length`` and DATA
-    that disagrees with it as connection errors (GOAWAY: every stream on the connection dies), where RFC 9113
-    8.1.1 makes them stream errors. ``request_rules.h2_content_length`` and ``H2Session._event`` do them per
-    stream instead."""
+    """h2's stream, where h2 (4.4) raises a malformed request as a connection error (GOAWAY: every stream on
+    the connection dies), RFC 9113 8.1.1 making it a stream error:
+
+    - no content-length checks (a malformed ``content-length``, DATA that disagrees with it):
+      ``request_rules.h2_content_length`` and ``H2Session._data`` do them per stream;
+    - a request whose ``:status`` starts with 1 (h2 takes the block for an informational response, a state
+      error on a server): h2 gets the block without ``:status``, the event carries it as it came, and
+      ``request_rules`` refuses it (``bad_pseudo_header``);
+    - trailers without END_STREAM (RFC 9113 8.1): the stream is reset PROTOCOL_ERROR through h2's own
+      stream-error path (a ``StreamClosedError`` for a stream we reset), with ``_TrailersWithoutEnd`` for
+      the session."""
 
     def _initialize_content_length(self, headers: Any) -> None:
         self._expected_content_length = None
 
     def _track_content_length(self, length: int, end_stream: bool) -> None:
         self._actual_content_length += length
+
+    def receive_headers(self, headers: Any, end_stream: bool, header_encoding: Any) -> Any:
+        fields = list(headers)
+        if (not end_stream and self.state_machine.headers_received
+                and self.state_machine.state in (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL)):
+            self.reset_stream(h2.errors.ErrorCodes.PROTOCOL_ERROR)  # its frame: h2 sends one for the error below
+            error = h2.exceptions.StreamClosedError(self.stream_id)
+            error.error_code = h2.errors.ErrorCodes.PROTOCOL_ERROR
+            error._events = [_TrailersWithoutEnd(self.stream_id)]
+            raise error
+        if h2.utilities.is_informational_response(fields):
+            frames, events = super().receive_headers([f for f in fields if f[0] != b":status"], end_stream,
+                                                     header_encoding)
+            events[0].headers = fields  # type: ignore[attr-defined]
+            return frames, events
+        return super().receive_headers(fields, end_stream, header_encoding)
 
 
 class _ServerConnection(h2.connection.H2Connection):
@@ -460,6 +491,10 @@ class H2Session:
             if st is not None and not st.done and not st.error:
                 self._release_held(st)
                 st.body.put_nowait(_END)
+        elif isinstance(ev, _TrailersWithoutEnd):
+            st = self.streams.get(ev.stream_id)
+            if st is not None and not st.done and not st.error and st.refused is None:
+                self._stream_error(st, "bad_trailers")  # h2 has reset it already
         elif isinstance(ev, h2.events.StreamReset):
             st = self.streams.get(ev.stream_id)
             if st is not None and st.task is not None and not st.done:

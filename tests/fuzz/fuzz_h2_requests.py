@@ -11,8 +11,9 @@ Each request is decided in the gateway's order (``H2Session._event`` and ``_stre
 upstream": its head (one with ``content-length: 0`` and no END_STREAM only once its stream ended:
 ``H2Session._await_end``), then its DATA as ``request_rules.h2_data`` lets it through (the DATA that
 completes its content-length waits for the end), its end. DATA against content-length or malformed trailers
-(``check_h2_trailers``) reset that stream only (its link aborted: the app sees a reset, never an end); a
-connection error h2 raises (frames, HPACK, stream states) aborts every upstream request not complete.
+(``check_h2_trailers``; trailers without END_STREAM, ``http2._RequestStream``) reset that stream only (its
+link aborted: the app sees a reset, never an end); a connection error h2 raises (frames, HPACK, stream
+states) aborts every upstream request not complete.
 
 Invariant (``one_input``): nothing of a refused request reaches the sandbox, and what does is well formed:
 a token method; an origin-form target (``*`` only for OPTIONS), printable, no fragment; lower-case header
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import h2.events
 import h2.exceptions
 
-from gateway.http2 import server_connection
+from gateway.http2 import _TrailersWithoutEnd, server_connection
 from gateway.names import NameRefused, Names
 from gateway.request_rules import (
     RequestRefused,
@@ -182,6 +183,8 @@ def run(data: bytes) -> tuple[dict[int, Upstream | str], bool]:
                     up.ended = up.head_sent = True
                 elif isinstance(ev, h2.events.StreamReset):
                     _abort(up, "client_reset")
+                elif isinstance(ev, _TrailersWithoutEnd):  # the gateway's connection reset the stream
+                    _abort(up, "bad_trailers")
         conn.data_to_send()
     for sid, up in outcomes.items():
         if isinstance(up, Upstream) and up.ended and up.length is not None and up.body != up.length:

@@ -69,13 +69,19 @@ def with_trailers(headers: Headers, data: list[bytes], trailers: Headers) -> byt
     return conn.data_to_send()[len(PREFACE) :]
 
 
-def raw_headers_frame(stream_id: int, headers: Headers) -> bytes:
-    """A HEADERS frame (END_HEADERS, END_STREAM) on any stream id, which h2's client would not write."""
-    f = hyperframe.frame.HeadersFrame(stream_id)
-    f.data = hpack.Encoder().encode(headers)
-    f.flags.add("END_HEADERS")
-    f.flags.add("END_STREAM")
-    return bytes(f.serialize())
+def raw_frames(*blocks: tuple[int, Headers, bool]) -> bytes:
+    """HEADERS frames (END_HEADERS; END_STREAM when asked), one HPACK context, which h2's client would not
+    write: on any stream id, a 1xx :status in a request, trailers without END_STREAM."""
+    encoder = hpack.Encoder()
+    out = b""
+    for stream_id, headers, end in blocks:
+        f = hyperframe.frame.HeadersFrame(stream_id)
+        f.data = encoder.encode(headers)
+        f.flags.add("END_HEADERS")
+        if end:
+            f.flags.add("END_STREAM")
+        out += bytes(f.serialize())
+    return out
 
 
 def seeds() -> dict[str, bytes]:
@@ -173,8 +179,12 @@ def seeds() -> dict[str, bytes]:
                                                                 [(b"connection", b"close")])
     out["reset_content_length_mismatch-trailers-short-of-content-length"] = with_trailers(
         [*head(b"/p", b"POST"), (b"content-length", b"5")], [b"abc"], [(b"x-sum", b"1")])
+    out["reset_bad_trailers-without-end-stream"] = client() + raw_frames(
+        (1, [(b":method", b"POST"), *head()[1:]], False), (1, [(b"x-sum", b"1")], False))
+    # h2 takes a :status starting with 1 for an informational response; as a request it is malformed.
+    out["bad_pseudo_header-informational-status"] = client() + raw_frames((1, [(b":status", b"100"), *head()], True))
     # What is still a connection error: frames, not fields (a client may not open an even stream).
-    out["protocol_error-headers-on-an-even-stream"] = client() + raw_headers_frame(2, head())
+    out["protocol_error-headers-on-an-even-stream"] = client() + raw_frames((2, head(), True))
     return out
 
 

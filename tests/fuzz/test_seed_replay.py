@@ -91,7 +91,8 @@ H2_REQUESTS_CASES = ("ok-get", "ok-options-asterisk", "bad_target-absolute-form-
                      "content_length_mismatch-30-on-end-stream", "bad_method-*", "bad_header-upper-case-name",
                      "bad_header-connection", "bad_header-te-gzip", "bad_header-transfer-encoding",
                      "bad_pseudo_header-*", "host_mismatch-*", "bad_content_length-*", "bad_header-then-ok",
-                     "reset_content_length_mismatch-*", "reset_bad_pseudo_header-trailers-*",
+                     "reset_content_length_mismatch-*", "reset_bad_pseudo_header-trailers-*", "reset_bad_trailers-*",
+                     "bad_pseudo_header-informational-status",
                      "ok-content-length-whole-then-an-empty-end", "protocol_error-*")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),

@@ -22,6 +22,7 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import hyperframe.frame
 import pytest
 from gw_support import DOMAIN, TOKEN, GatewayThread, JsonLines, front_cert, gateway_log, registration
 
@@ -328,8 +329,7 @@ def test_a_malformed_request_is_refused_on_its_stream_and_the_connection_goes_on
     gw: GatewayThread = stack["gw"]
     alpha, beta = stack["app"], stack["beta"]
     headers, data, answer, reason = H2_MALFORMED[case]
-    before = (len(alpha.requests), len(beta.requests), gw.sample(ATTEMPTS),
-              gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}))
+    before = (len(alpha.requests), len(beta.requests), gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}))
     with gateway_log(gw) as log:
         c = H2Client(stack, f"alpha.{DOMAIN}")
         try:
@@ -347,12 +347,11 @@ def test_a_malformed_request_is_refused_on_its_stream_and_the_connection_goes_on
     assert status(out, 3) == b"200" and json.loads(out[3]["body"])["path"] == "/after"
     assert [r["path"] for r in alpha.requests[before[0]:]] == ["/after"]
     assert len(beta.requests) == before[1]
-    assert gw.sample(ATTEMPTS) <= before[2] + 1  # /after's link at most (it may ride a kept one)
-    assert [line["sandbox_id"] for line in log.events("link_open")] in (["alpha"], [])
+    assert [line["sandbox_id"] for line in log.events("link_open")] in (["alpha"], [])  # /after's, or a kept one
     refused_status = 0 if answer == "reset" else 400
     assert sorted((line["status"], line.get("reason") or "") for line in lines) == sorted(
         [(refused_status, reason), (200, "")]), lines
-    assert gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}) == before[3] + 1
+    assert gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}) == before[2] + 1
     assert not log.events("h2_refused")
     no_traceback(log)
 
@@ -475,6 +474,33 @@ def test_a_stream_the_client_resets_in_the_read_that_opened_it_still_gets_its_li
     no_traceback(log)
 
 
+def test_trailers_without_end_stream_reset_their_stream_only(stack: dict[str, Any]) -> None:
+    """Trailers must end the stream (RFC 9113 8.1): a HEADERS frame after the head without END_STREAM resets
+    that stream PROTOCOL_ERROR (h2 raised it as a connection error), its line says ``bad_trailers``, the app
+    never gets the request whole, the connection goes on."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = len(alpha.requests)
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, [*base(b"/t", method=b"POST"), (b"content-length", b"3")], end=False)  # as above
+            c.conn.send_data(1, b"abc")
+            f = hyperframe.frame.HeadersFrame(1)  # h2's client would not write it
+            f.data = c.conn.encoder.encode([(b"x-sum", b"1")])
+            f.flags.add("END_HEADERS")
+            c.sock.sendall(c.conn.data_to_send() + f.serialize())
+            c.get(3, f"alpha.{DOMAIN}", b"/after")
+            out = c.wait(1, 3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert c.goaway is None and out[1].get("reset") == 1 and status(out, 3) == b"200"
+    assert [r["path"] for r in alpha.requests[before:]] == ["/after"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(0, "bad_trailers"), (200, "")]
+    no_traceback(log)
+
+
 H2_BAD_TRAILERS = {
     "pseudo-header": ([(b":path", b"/x")], "bad_pseudo_header"),
     "upper-case-name": ([(b"X-Sum", b"1")], "bad_header"),
@@ -494,7 +520,10 @@ def test_malformed_trailers_reset_their_stream_only(stack: dict[str, Any], case:
     with gateway_log(gw) as log:
         c = H2Client(stack, f"alpha.{DOMAIN}")
         try:
-            c.send(1, base(b"/t", method=b"POST"), end=False)
+            # With a content-length, the app waits for the body, which the gateway holds until the stream's
+            # end: the app cannot answer the head before the trailers are judged (a chunked body it need not
+            # read first; the head goes up as it came).
+            c.send(1, [*base(b"/t", method=b"POST"), (b"content-length", b"3")], end=False)
             c.conn.send_data(1, b"abc")
             c.conn.send_headers(1, trailers, end_stream=True)
             c.sock.sendall(c.conn.data_to_send())

@@ -254,6 +254,59 @@ def test_the_gateways_h2_connection_takes_what_h2_refused_as_a_stream_and_data_a
         "RequestReceived", "StreamEnded", "RequestReceived", "DataReceived", "StreamEnded"]
 
 
+def test_the_gateways_h2_connection_takes_a_1xx_status_in_a_request_as_a_request_with_its_fields() -> None:
+    """h2 takes a block whose :status starts with 1 for an informational response (a state error, raised as
+    a connection error); the gateway's connection hands it over as a request, fields as they came, which
+    ``check_h2_head`` refuses."""
+    head = [(b":status", b"100"), *GET]
+    wire = _PREFACE + _headers_frame(hpack.Encoder(), head, end=True)
+    with pytest.raises(h2.exceptions.ProtocolError):
+        _h2_server(validate=True).receive_data(wire)
+    events = _h2_server(validate=False).receive_data(wire)
+    received = [ev for ev in events if isinstance(ev, h2.events.RequestReceived)]
+    assert len(received) == 1 and received[0].headers == head
+    with pytest.raises(RequestRefused) as e:
+        check_h2_head(received[0].headers, ended=True)
+    assert e.value.reason == "bad_pseudo_header"
+
+
+def test_the_gateways_h2_connection_resets_trailers_without_end_stream_and_goes_on() -> None:
+    """Trailers must end the stream (RFC 9113 8.1): h2 raised a connection error; the gateway's connection
+    resets that stream PROTOCOL_ERROR, tells the session, and takes the next stream."""
+    from gateway.http2 import _TrailersWithoutEnd
+
+    enc = hpack.Encoder()
+    head = _headers_frame(enc, [(b":method", b"POST"), *GET[1:]], end=False)
+    trailers = _headers_frame(enc, [(b"x-sum", b"1")], end=False)
+    f = hyperframe.frame.HeadersFrame(3)
+    f.data = enc.encode(GET)
+    f.flags.add("END_HEADERS")
+    f.flags.add("END_STREAM")
+    wire = _PREFACE + head + trailers + bytes(f.serialize())
+    with pytest.raises(h2.exceptions.ProtocolError):
+        _h2_server(validate=True).receive_data(wire)
+    conn = _h2_server(validate=False)
+    conn.data_to_send()
+    events = conn.receive_data(wire)
+    assert [type(ev).__name__ for ev in events if getattr(ev, "stream_id", 0)] == [
+        "RequestReceived", "_TrailersWithoutEnd", "RequestReceived", "StreamEnded"]
+    assert [ev.stream_id for ev in events if isinstance(ev, _TrailersWithoutEnd)] == [1]
+    sent = conn.data_to_send()
+    rst = [fr for fr in _frames(sent) if isinstance(fr, hyperframe.frame.RstStreamFrame)]
+    assert [(fr.stream_id, fr.error_code) for fr in rst] == [(1, 1)]  # PROTOCOL_ERROR
+    assert not [fr for fr in _frames(sent) if isinstance(fr, hyperframe.frame.GoAwayFrame)]
+
+
+def _frames(data: bytes) -> list[hyperframe.frame.Frame]:
+    out = []
+    while len(data) >= 9:
+        frame, length = hyperframe.frame.Frame.parse_frame_header(memoryview(data[:9]))
+        frame.parse_body(memoryview(data[9 : 9 + length]))
+        out.append(frame)
+        data = data[9 + length :]
+    return out
+
+
 @pytest.mark.parametrize(("length", "frames", "held", "refused"), [
     (None, [(3, False), (0, True)], [False, False], False),
     (3, [(3, True)], [False], False),
