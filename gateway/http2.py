@@ -5,7 +5,8 @@ its bytes and carries each stream to the sandbox's app in the way the port's pro
 
 Per stream, first whether the request is malformed (RFC 9113 8.1.1: a stream error, the other streams go
 on; ``request_rules``, which does every check h2 would have done and more, h2's own being off: a malformed
-head is answered 400 on its stream, nothing upstream; DATA against its content-length or malformed
+head is answered 400 on its stream, then reset PROTOCOL_ERROR if the client had not ended it, nothing
+upstream; DATA against its content-length or malformed
 trailers reset the stream PROTOCOL_ERROR, its link aborted, ``_stream_error``), then exactly as the
 HTTP/1.1 front decides a request (``http1.admit``): the target's form (400), ``routing.request_target``
 with ``:authority`` and any Host (400), the route of the stream's own name (404), a wake (503 with
@@ -180,7 +181,7 @@ class _ServerConnection(h2.connection.H2Connection):
 
     def _begin_new_stream(self, stream_id: int, allowed_ids: h2.connection.AllowedStreamIDs) -> h2.stream.H2Stream:
         stream = super()._begin_new_stream(stream_id, allowed_ids)
-        stream.__class__ = _RequestStream  # the same object, only the two checks above differ
+        stream.__class__ = _RequestStream  # the same object, only the methods above differ
         return stream
 
 
@@ -609,6 +610,9 @@ class H2Session:
         st.rec.set_method(method)
         if st.refused is not None:  # malformed (RFC 9113 8.1.1): nothing of it goes upstream
             await self.answer(st, 400, f"malformed request ({st.refused.reason})", reason=st.refused.reason)
+            if self._remote_open(st):  # a stream error: the 400 first (8.1.1 allows it), then the reset
+                self._reset(st, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                await self._flush()
             return
         if self.bad_sni:
             await self.answer(st, 421, "this connection's server name is not served here", reason="misdirected")

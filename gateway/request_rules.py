@@ -53,7 +53,8 @@ What h2 never checked, added here: a ``:method`` that is not a token (``bad_meth
 other than 0 on a HEADERS frame with END_STREAM, which carries no DATA (``content_length_mismatch``); a
 ``:path`` that is not origin-form (``upstream_target``). Trailers (``check_h2_trailers``) are held to the
 field rules above and carry no pseudo-header (``bad_header``, ``bad_pseudo_header``). A refused head is
-answered 400 on its stream, nothing upstream; a refusal found later (DATA, trailers) resets the stream
+answered 400 on its stream (then reset PROTOCOL_ERROR if the client had not ended it), nothing upstream;
+a refusal found later (DATA, trailers) resets the stream
 with PROTOCOL_ERROR (``http2.py``).
 
 Reason tokens (``RequestRefused.reason``; stable, counted by metrics): ``bad_target``, ``bad_method``,

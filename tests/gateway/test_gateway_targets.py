@@ -356,6 +356,30 @@ def test_a_malformed_request_is_refused_on_its_stream_and_the_connection_goes_on
     no_traceback(log)
 
 
+def test_a_malformed_head_whose_stream_is_still_open_gets_its_400_then_a_reset(stack: dict[str, Any]) -> None:
+    """RFC 9113 8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR, a response allowed
+    first. A head refused while the client has not ended its stream: 400, then RST_STREAM PROTOCOL_ERROR
+    (the client stops sending its body); one line; the next stream is served."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = (len(alpha.requests), gw.sample("sbxnet_gateway_refusals_total", {"reason": "bad_header"}))
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, [*base(b"/p", method=b"POST"), (b"X-Up", b"1")], end=False)
+            c.wait(1)
+            c.get(3, f"alpha.{DOMAIN}", b"/after")  # the reset of 1 went out before anything of 3
+            out = c.wait(3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert status(out, 1) == b"400" and out[1].get("reset") == 1 and status(out, 3) == b"200"
+    assert [r["path"] for r in alpha.requests[before[0]:]] == ["/after"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(200, ""), (400, "bad_header")]
+    assert gw.sample("sbxnet_gateway_refusals_total", {"reason": "bad_header"}) == before[1] + 1
+    no_traceback(log)
+
+
 def test_data_beyond_the_content_length_of_a_head_already_upstream_resets_its_stream_only(
     stack: dict[str, Any]
 ) -> None:
