@@ -219,9 +219,13 @@ def test_the_functions_h2_checked_with_are_the_ones_the_table_names() -> None:
 
     for name in {c for c, _, _ in H2_CHECKS} - {"_initialize_content_length"}:
         assert callable(getattr(u, name)), name
-    for name in ("_initialize_content_length", "_track_content_length"):
+    for name in ("_initialize_content_length", "_track_content_length", "receive_headers", "reset_stream"):
         assert callable(getattr(h2.stream.H2Stream, name)), name
     assert callable(h2.connection.H2Connection._begin_new_stream)
+    assert callable(u.is_informational_response)
+    # the stream-error path _RequestStream raises into: a StreamClosedError for a stream reset by us
+    assert hasattr(h2.exceptions.StreamClosedError(1), "_events")
+    assert callable(h2.connection.H2Connection._stream_is_closed_by_reset)
 
 
 def test_content_length_is_read_from_its_fields() -> None:
