@@ -3,9 +3,12 @@
 The h2 library keeps the connection's state (frames, HPACK, both flow-control windows); this module moves
 its bytes and carries each stream to the sandbox's app in the way the port's protocol says.
 
-Per stream, first what h2 does not check of a malformed request (``request_rules.check_h2_head``: 400),
-then exactly as the HTTP/1.1 front decides a request (``http1.admit``): the target's form (400),
-``routing.request_target``
+Per stream, first whether the request is malformed (RFC 9113 8.1.1: a stream error, the other streams go
+on; ``request_rules``, which does every check h2 would have done and more, h2's own being off: a malformed
+head is answered 400 on its stream, then reset PROTOCOL_ERROR if the client had not ended it, nothing
+upstream; DATA against its content-length or malformed
+trailers reset the stream PROTOCOL_ERROR, its link aborted, ``_stream_error``), then exactly as the
+HTTP/1.1 front decides a request (``http1.admit``): the target's form (400), ``routing.request_target``
 with ``:authority`` and any Host (400), the route of the stream's own name (404), a wake (503 with
 Retry-After), ``auth.authorize`` against that route (401/403/redirect), then the link (502/503/504).
 Browsers coalesce: they send streams for every name the connection's certificate covers on one connection
@@ -77,13 +80,15 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
+import h2.utilities
 
 from gateway import h1_codec as h1
 from gateway import h2c_upstream as h2c
 from gateway.http1 import HOP_BY_HOP, Admitted, Refusal, RequestLog, admit, replayable
 from gateway.names import Name
 from gateway.relay import CLOSE_LINGER, close_cleanly, drop_link
-from gateway.request_rules import RequestRefused, check_h2_head
+from gateway.request_rules import RequestRefused, check_h2_head, check_h2_trailers, h2_content_length, h2_data
 from gateway.routing import Forward
 from gateway.upstream import UpstreamFailed
 from sbxnet.errors import LocalProtocolError, RemoteProtocolError
@@ -128,11 +133,79 @@ def goaway_frame(last_stream_id: int, error_code: int = 0, debug: bytes = b"") -
     return len(payload).to_bytes(3, "big") + bytes((_GOAWAY, 0)) + bytes(4) + payload
 
 
+class _TrailersWithoutEnd(h2.events.Event):
+    """Trailers came without END_STREAM: h2 has reset the stream PROTOCOL_ERROR (``_RequestStream``)."""
+
+    def __init__(self, stream_id: int) -> None:
+        self.stream_id = stream_id
+
+
+class _RequestStream(h2.stream.H2Stream):
+    """h2's stream, where h2 (4.4) raises a malformed request as a connection error (GOAWAY: every stream on
+    the connection dies), RFC 9113 8.1.1 making it a stream error:
+
+    - no content-length checks (a malformed ``content-length``, DATA that disagrees with it):
+      ``request_rules.h2_content_length`` and ``H2Session._data`` do them per stream;
+    - a request whose ``:status`` starts with 1 (h2 takes the block for an informational response, a state
+      error on a server): h2 gets the block without ``:status``, the event carries it as it came, and
+      ``request_rules`` refuses it (``bad_pseudo_header``);
+    - trailers without END_STREAM (RFC 9113 8.1): the stream is reset PROTOCOL_ERROR through h2's own
+      stream-error path (a ``StreamClosedError`` for a stream we reset), with ``_TrailersWithoutEnd`` for
+      the session."""
+
+    def _initialize_content_length(self, headers: Any) -> None:
+        self._expected_content_length = None
+
+    def _track_content_length(self, length: int, end_stream: bool) -> None:
+        self._actual_content_length += length
+
+    def receive_headers(self, headers: Any, end_stream: bool, header_encoding: Any) -> Any:
+        fields = list(headers)
+        if (not end_stream and self.state_machine.headers_received
+                and self.state_machine.state in (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL)):
+            self.reset_stream(h2.errors.ErrorCodes.PROTOCOL_ERROR)  # its frame: h2 sends one for the error below
+            error = h2.exceptions.StreamClosedError(self.stream_id)
+            error.error_code = h2.errors.ErrorCodes.PROTOCOL_ERROR
+            error._events = [_TrailersWithoutEnd(self.stream_id)]
+            raise error
+        if h2.utilities.is_informational_response(fields):
+            frames, events = super().receive_headers([f for f in fields if f[0] != b":status"], end_stream,
+                                                     header_encoding)
+            events[0].headers = fields  # type: ignore[attr-defined]
+            return frames, events
+        return super().receive_headers(fields, end_stream, header_encoding)
+
+
+class _ServerConnection(h2.connection.H2Connection):
+    """h2's connection whose client streams are ``_RequestStream`` (h2 4.4 has no setting for it)."""
+
+    def _begin_new_stream(self, stream_id: int, allowed_ids: h2.connection.AllowedStreamIDs) -> h2.stream.H2Stream:
+        stream = super()._begin_new_stream(stream_id, allowed_ids)
+        stream.__class__ = _RequestStream  # the same object, only the methods above differ
+        return stream
+
+
+def server_connection() -> h2.connection.H2Connection:
+    """An h2 server connection as the HTTP/2 front runs it. h2 would raise a malformed request as a
+    connection error (GOAWAY): its inbound checks are off and ``request_rules`` does every one of them per
+    stream, on the fields as they came (not normalized: h2's cookie joining moves cookies after the
+    pseudo-headers, hiding a pseudo-header sent after one). Outbound validation stays."""
+    config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=False,
+                                       normalize_inbound_headers=False, validate_outbound_headers=True)
+    return _ServerConnection(config=config)
+
+
 @dataclass
 class _Stream:
     id: int
     headers: list[tuple[bytes, bytes]]
-    ended: bool  # END_STREAM came with the request's HEADERS
+    ended: bool  # END_STREAM came with the request's HEADERS (or, for content-length 0, before it went up)
+    refused: RequestRefused | None = None  # the head is malformed (request_rules): answered 400
+    length: int | None = None  # its content-length: the DATA must add up to it (RFC 9113 8.1.1)
+    received: int = 0  # DATA bytes received
+    held: tuple[bytes, int] | None = None  # the DATA that completed content-length, held until END_STREAM
+    error: str = ""  # a stream error found after the head (reason token): reset PROTOCOL_ERROR
+    started: bool = False  # its task has begun (a task cancelled before that never runs its finally: not done)
     body: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)  # (data, flow length), trailers, _END
     window: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -169,9 +242,7 @@ class H2Session:
         self.conn_id = conn_id
         # The names this connection's certificate covers: the names its streams may be routed to.
         self.cert_names = gw.config.front.presented_names(client.ssl_object)
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None,
-                                           validate_inbound_headers=True, validate_outbound_headers=True)
-        self.h2 = h2.connection.H2Connection(config=config)
+        self.h2 = server_connection()
         self._guard = h2c.FrameSizeGuard(skip=len(_CLIENT_PREFACE))  # h2 checks the preface itself
         self.streams: dict[int, _Stream] = {}
         self._write_lock = asyncio.Lock()
@@ -330,11 +401,10 @@ class H2Session:
                 try:
                     events = self.h2.receive_data(data)
                 except h2.exceptions.ProtocolError as e:
-                    # A connection error h2 found (a malformed request among them: RFC 9113 8.1.1, what
-                    # request_rules' docstring lists): GOAWAY, one line, no traceback. Its text is not
-                    # logged: it may quote a header's value (a token).
-                    reason = ("content_length_mismatch" if isinstance(e, h2.exceptions.InvalidBodyLengthError)
-                              else "bad_request")
+                    # A connection error h2 found (frames, HPACK, stream states: a malformed request is a
+                    # stream error, ``_event``): GOAWAY, one line, no traceback. Its text is not logged: it
+                    # may quote a header's value (a token).
+                    reason = "bad_request"
                     self.gw.metrics.refusals.labels(reason).inc()
                     code = getattr(e, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
                     log.info("HTTP/2 protocol error: connection closed", extra={
@@ -393,27 +463,45 @@ class H2Session:
                 return False
             new = _Stream(ev.stream_id, list(ev.headers), ev.stream_ended is not None,
                           rec=RequestLog("h2", self.conn_id, time.monotonic()))
+            try:
+                check_h2_head(new.headers, ended=new.ended)
+                new.length = h2_content_length(new.headers)
+            except RequestRefused as e:
+                new.refused = e  # answered 400 by its task; its DATA is dropped
             self.streams[ev.stream_id] = new
             new.task = asyncio.create_task(self._serve(new))
         elif isinstance(ev, h2.events.DataReceived):
             st = self.streams.get(ev.stream_id)
-            if st is None or st.done:
+            if st is None or st.done or st.error:
                 self._ack(ev.flow_controlled_length, ev.stream_id)
             else:
-                st.body.put_nowait((ev.data, ev.flow_controlled_length))
+                self._data(st, ev.data, ev.flow_controlled_length, ev.stream_ended is not None)
         elif isinstance(ev, h2.events.TrailersReceived):
             st = self.streams.get(ev.stream_id)
-            if st is not None and not st.done:
-                st.body.put_nowait(list(ev.headers))
+            if st is not None and not st.done and not st.error and st.refused is None:
+                try:
+                    check_h2_trailers(list(ev.headers))
+                    h2_data(st.length, st.received, 0, end=True)  # the DATA is over
+                except RequestRefused as e:
+                    self._stream_error(st, e.reason)
+                else:
+                    self._release_held(st)
+                    st.body.put_nowait(list(ev.headers))
         elif isinstance(ev, h2.events.StreamEnded):
             st = self.streams.get(ev.stream_id)
-            if st is not None and not st.done:
+            if st is not None and not st.done and not st.error:
+                self._release_held(st)
                 st.body.put_nowait(_END)
+        elif isinstance(ev, _TrailersWithoutEnd):
+            st = self.streams.get(ev.stream_id)
+            if st is not None and not st.done and not st.error and st.refused is None:
+                self._stream_error(st, "bad_trailers")  # h2 has reset it already
         elif isinstance(ev, h2.events.StreamReset):
             st = self.streams.get(ev.stream_id)
             if st is not None and st.task is not None and not st.done:
                 st.reset_code = int(ev.error_code)
-                st.task.cancel()
+                if st.started:  # else its task sees reset_code as it begins (cancelled unstarted, it never runs)
+                    st.task.cancel()
         elif isinstance(ev, h2.events.WindowUpdated):
             if ev.stream_id == 0:
                 for st in self.streams.values():
@@ -426,6 +514,43 @@ class H2Session:
         elif isinstance(ev, h2.events.ConnectionTerminated):
             return True
         return False
+
+    def _data(self, st: _Stream, data: bytes, flow: int, end: bool) -> None:
+        """DATA for a stream, held to its content-length (RFC 9113 8.1.1): more than it, or an end short of
+        it, is a stream error; the DATA that completes it waits for END_STREAM (or trailers) before going
+        upstream, so an app never sees a whole request that turns out malformed."""
+        st.received += len(data)
+        try:
+            hold = st.refused is None and h2_data(st.length, st.received, len(data), end=end)
+        except RequestRefused as e:
+            self._ack(flow, st.id)
+            self._stream_error(st, e.reason)
+            return
+        if hold:
+            st.held = (data, flow)  # nothing was held: the DATA before it fell short of content-length
+            return
+        if end:
+            self._release_held(st)
+        st.body.put_nowait((data, flow))  # an empty DATA before the end leaves what is held where it is
+
+    def _release_held(self, st: _Stream) -> None:
+        if st.held is not None:
+            st.body.put_nowait(st.held)
+            st.held = None
+
+    def _stream_error(self, st: _Stream, reason: str) -> None:
+        """A request found malformed after its head (DATA against content-length, bad trailers): a stream
+        error (RFC 9113 8.1.1), RST_STREAM PROTOCOL_ERROR; the other streams go on. Its task is cancelled
+        (a link it opened is aborted: the app sees a reset, never an end), counted under ``reason``, which
+        its access-log line says: one line, no traceback."""
+        st.error = reason
+        if st.held is not None:
+            self._ack(st.held[1], st.id)
+            st.held = None
+        self.gw.metrics.refusals.labels(reason).inc()
+        self._reset(st, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+        if st.task is not None and st.started:
+            st.task.cancel()
 
     def _refuse(self, ev: h2.events.RequestReceived) -> None:
         """A stream opened after our GOAWAY (a drain's, idle_timeout's): not processed, reset REFUSED_STREAM
@@ -444,11 +569,16 @@ class H2Session:
     # -- one stream --------------------------------------------------------------------------------
 
     async def _serve(self, st: _Stream) -> None:
+        st.started = True
         try:
-            await self._stream(st)
+            if st.error or st.reset_code is not None:  # reset before its task began: nothing to do but its line
+                st.rec.reason = st.error or "client_reset"
+            else:
+                await self._stream(st)
         except (asyncio.CancelledError, _ClientGone, h2.exceptions.StreamClosedError):
             # the client left or reset the stream
-            st.rec.reason = self._conn_error or ("client_reset" if st.reset_code is not None else "client_gone")
+            st.rec.reason = (st.error or self._conn_error
+                             or ("client_reset" if st.reset_code is not None else "client_gone"))
         except Exception:
             log.exception("internal error", extra={"event": "internal", "conn_id": self.conn_id})
             st.rec.reason = "internal_error"
@@ -456,6 +586,8 @@ class H2Session:
             with contextlib.suppress(_ClientGone):
                 await self._flush()
         finally:
+            if st.error:
+                st.rec.reason = st.error
             st.rec.emit()
             st.done = True
             while not st.body.empty():  # what the client sent and nobody read: give its window back
@@ -476,16 +608,17 @@ class H2Session:
         method = pseudo.get(b":method", b"")
         path = pseudo.get(b":path")
         st.rec.set_method(method)
+        if st.refused is not None:  # malformed (RFC 9113 8.1.1): nothing of it goes upstream
+            await self.answer(st, 400, f"malformed request ({st.refused.reason})", reason=st.refused.reason)
+            if self._remote_open(st):  # a stream error: the 400 first (8.1.1 allows it), then the reset
+                self._reset(st, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                await self._flush()
+            return
         if self.bad_sni:
             await self.answer(st, 421, "this connection's server name is not served here", reason="misdirected")
             return
         if method == b"CONNECT" or path is None:
             await self.answer(st, 501, "CONNECT is not served over HTTP/2 here", reason="connect_unsupported")
-            return
-        try:
-            check_h2_head(st.headers, ended=st.ended)  # what h2 does not check of RFC 9113 8.1.1
-        except RequestRefused as e:
-            await self.answer(st, 400, f"malformed request ({e.reason})", reason=e.reason)
             return
         hosts = [v for n, v in st.headers if n == b"host"]
         headers = _regular_headers(st.headers)
@@ -498,7 +631,24 @@ class H2Session:
         if d.fwd.protocol == "h2c":
             await self._proxy_h2c(st, method, d)
         else:
+            if st.length == 0 and not st.ended:
+                await self._await_end(st)
             await self._proxy(st, method, d)
+
+    async def _await_end(self, st: _Stream) -> None:
+        """A head with ``content-length: 0`` that did not end its stream: as HTTP/1.1 the head alone is a whole
+        request, so it goes upstream only once the stream has ended well formed (END_STREAM, on an empty DATA
+        or trailers, whose fields have nowhere to go after a Content-Length body); DATA meanwhile is a stream
+        error (``_data``). Then it goes as a request whose stream ended with its head."""
+        while True:
+            item = await st.body.get()
+            if isinstance(item, tuple):  # an empty DATA frame
+                self._ack(item[1], st.id)
+                await self._flush()
+                continue
+            if item is _END:
+                break
+        st.ended = True
 
     async def _upstream_broke(self, st: _Stream, responded: bool) -> None:
         """The app's side failed: a stream already answered is reset, one not yet answered gets a 502."""

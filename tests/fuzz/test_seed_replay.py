@@ -88,13 +88,16 @@ H1_CODEC_CASES = ("content_length_with_transfer_encoding-*", "duplicate_content_
                   "bad_trailer-trailer-*", "bad_request-chunk-size-overlong-hex", "bad_request-chunk-data-*",
                   "truncated-chunked-body-*", "connection_names_framing-*", "ok-connection-names-x-forwarded")
 # What of a client's HTTP/2 requests reaches a sandbox (tests/fuzz/make_h2_requests_seeds.py, issue 22 points
-# 8 and 9): targets that are not origin-form, the malformed heads h2 lets through, those it refuses itself,
-# and a content-length the DATA breaks after the head went up.
+# 8 and 9): targets that are not origin-form, malformed heads (each a stream error, h2's old connection errors
+# among them), a content-length the DATA breaks after the head went up, malformed trailers.
 H2_REQUESTS_CASES = ("ok-get", "ok-options-asterisk", "bad_target-absolute-form-another-sandbox",
                      "bad_target-path-without-slash", "bad_target-asterisk-on-get", "bad_target-fragment",
-                     "content_length_mismatch-30-on-end-stream", "bad_method-*", "protocol_error-upper-case-name",
-                     "protocol_error-connection", "protocol_error-te-gzip", "protocol_error-transfer-encoding",
-                     "protocol_error-pseudo-header-*", "cut-content-length-*")
+                     "content_length_mismatch-30-on-end-stream", "bad_method-*", "bad_header-upper-case-name",
+                     "bad_header-connection", "bad_header-te-gzip", "bad_header-transfer-encoding",
+                     "bad_pseudo_header-*", "host_mismatch-*", "bad_content_length-*", "bad_header-then-ok",
+                     "reset_content_length_mismatch-*", "reset_bad_pseudo_header-trailers-*", "reset_bad_trailers-*",
+                     "bad_pseudo_header-informational-status",
+                     "ok-content-length-whole-then-an-empty-end", "protocol_error-*")
 CORPORA = (
     Corpus("preamble", fuzz_preamble, 30),
     Corpus("rewrite", fuzz_rewrite, 30, CORE_CASES),

@@ -2,9 +2,9 @@
 real clients (the h2 library over ssl, raw HTTP/1.1 over ssl, the websockets library) -> the gateway -> a
 real forwarder -> real apps.
 
-For every refusal: the answer, one access-log line (or, for a connection error, one ``h2_refused`` line)
-with its reason, no traceback, and nothing of the request upstream: no link opened (no ``link_open`` line,
-``upstream_attempts_total`` unchanged) and the app saw nothing.
+For every refusal: the answer, one access-log line with its reason, no traceback, and nothing of the
+request upstream: no link opened (no ``link_open`` line, ``upstream_attempts_total`` unchanged) and the app
+saw nothing. A malformed HTTP/2 request is a stream error: the connection's other streams go on.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import hyperframe.frame
 import pytest
 from gw_support import DOMAIN, TOKEN, GatewayThread, JsonLines, front_cert, gateway_log, registration
 
@@ -287,57 +288,107 @@ def test_a_method_that_is_not_a_token_is_400_before_any_link(stack: dict[str, An
     no_traceback(log)
 
 
-H2_CONNECTION_ERRORS = {
-    "content-length-below-the-data": ([*base(b"/p", method=b"POST"), (b"content-length", b"3")], b"abcdef"),
-    "content-length-above-the-data": ([*base(b"/p", method=b"POST"), (b"content-length", b"10")], b"abc"),
-    "upper-case-name": ([*base(b"/p"), (b"X-Up", b"1")], None),
-    "connection-header": ([*base(b"/p"), (b"connection", b"close")], None),
-    "transfer-encoding": ([*base(b"/p"), (b"transfer-encoding", b"chunked")], None),
-    "te-gzip": ([*base(b"/p"), (b"te", b"gzip")], None),
-    "pseudo-header-after-a-regular-one": ([(b"x", b"1"), *base(b"/p")], None),
-    "unknown-pseudo-header": ([*base(b"/p"), (b":foo", b"1")], None),
-    "no-path": (base(b"/p")[:3], None),
-    "host-against-authority": ([*base(b"/p"), (b"host", f"beta.{DOMAIN}".encode())], None),
+H2_MALFORMED = {  # the request (HEADERS, then DATA ending the stream, in one write): its answer, its reason
+    "content-length-below-the-data": ([*base(b"/p", method=b"POST"), (b"content-length", b"3")], b"abcdef",
+                                      "reset", "content_length_mismatch"),
+    "content-length-above-the-data": ([*base(b"/p", method=b"POST"), (b"content-length", b"10")], b"abc",
+                                      "reset", "content_length_mismatch"),
+    "content-length-not-a-number": ([*base(b"/p", method=b"POST"), (b"content-length", b"3a")], b"abc",
+                                    "400", "bad_content_length"),
+    "content-lengths-that-differ": ([*base(b"/p", method=b"POST"), (b"content-length", b"3"),
+                                     (b"content-length", b"4")], b"abc", "400", "bad_content_length"),
+    "upper-case-name": ([*base(b"/p"), (b"X-Up", b"1")], None, "400", "bad_header"),
+    "colon-inside-a-name": ([*base(b"/p"), (b"x:y", b"1")], None, "400", "bad_header"),
+    "value-with-a-leading-space": ([*base(b"/p"), (b"x", b" 1")], None, "400", "bad_header"),
+    "connection-header": ([*base(b"/p"), (b"connection", b"close")], None, "400", "bad_header"),
+    "transfer-encoding": ([*base(b"/p"), (b"transfer-encoding", b"chunked")], None, "400", "bad_header"),
+    "te-gzip": ([*base(b"/p"), (b"te", b"gzip")], None, "400", "bad_header"),
+    "pseudo-header-after-a-regular-one": ([(b"x", b"1"), *base(b"/p")], None, "400", "bad_pseudo_header"),
+    "pseudo-header-after-a-cookie": ([(b"cookie", b"a=1"), *base(b"/p")], None, "400", "bad_pseudo_header"),
+    "unknown-pseudo-header": ([*base(b"/p"), (b":foo", b"1")], None, "400", "bad_pseudo_header"),
+    "duplicated-path": ([*base(b"/p"), (b":path", b"/q")], None, "400", "bad_pseudo_header"),
+    "status-in-a-request": ([*base(b"/p"), (b":status", b"200")], None, "400", "bad_pseudo_header"),
+    "protocol-on-get": ([*base(b"/p"), (b":protocol", b"websocket")], None, "400", "bad_pseudo_header"),
+    "no-path": (base(b"/p")[:3], None, "400", "bad_pseudo_header"),
+    "empty-path": (base(b""), None, "400", "bad_target"),
+    "host-against-authority": ([*base(b"/p"), (b"host", f"beta.{DOMAIN}".encode())], None, "400", "host_mismatch"),
+    "two-hosts": ([*base(b"/p")[:2], (b":path", b"/p"), (b"host", f"alpha.{DOMAIN}".encode()),
+                   (b"host", f"alpha.{DOMAIN}".encode())], None, "400", "duplicate_host"),
+    "neither-authority-nor-host": ([*base(b"/p")[:2], (b":path", b"/p")], None, "400", "missing_host"),
 }
 
 
-@pytest.mark.parametrize("case", sorted(H2_CONNECTION_ERRORS))
-def test_a_request_h2_finds_malformed_ends_the_connection_in_one_line_with_nothing_upstream(
+@pytest.mark.parametrize("case", sorted(H2_MALFORMED))
+def test_a_malformed_request_is_refused_on_its_stream_and_the_connection_goes_on(
     stack: dict[str, Any], case: str
 ) -> None:
-    """What h2 itself refuses (request_rules' docstring) is a connection error: GOAWAY PROTOCOL_ERROR, one
-    ``h2_refused`` line with its reason, counted; the request, sent with its DATA in one write, never
-    became a stream, so nothing went upstream."""
+    """RFC 9113 8.1.1: a malformed request is a stream error. A malformed head is answered 400 on its
+    stream; DATA against content-length resets the stream PROTOCOL_ERROR. Either way one access-log line
+    with its reason, counted, no GOAWAY: a good stream on the same connection, sent after it, gets its 200;
+    nothing of the bad one reaches the app (no link for it), no traceback."""
     gw: GatewayThread = stack["gw"]
     alpha, beta = stack["app"], stack["beta"]
-    headers, data = H2_CONNECTION_ERRORS[case]
-    reason = "content_length_mismatch" if case.startswith("content-length") else "bad_request"
-    before = (len(alpha.requests), len(beta.requests), gw.sample(ATTEMPTS),
-              gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}))
+    headers, data, answer, reason = H2_MALFORMED[case]
+    before = (len(alpha.requests), len(beta.requests), gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}))
     with gateway_log(gw) as log:
         c = H2Client(stack, f"alpha.{DOMAIN}")
         try:
             c.send(1, headers, data=data)
-            c.wait(1)
+            c.get(3, f"alpha.{DOMAIN}", b"/after")
+            out = c.wait(1, 3)
         finally:
             c.close()
-        refused = wait_events(log, "h2_refused", 1)
-        time.sleep(0.2)
-    assert c.goaway == 1  # PROTOCOL_ERROR
-    assert [(line["reason"], line["error_code"]) for line in refused] == [(reason, 1)]
-    assert gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}) == before[3] + 1
-    assert (len(alpha.requests), len(beta.requests), gw.sample(ATTEMPTS)) == before[:3]
-    assert not log.events("link_open") and not log.events("request")
+        lines = wait_events(log, "request", 2)
+    assert c.goaway is None
+    if answer == "reset":
+        assert out[1].get("reset") == 1 and "headers" not in out[1], out[1]  # PROTOCOL_ERROR, no answer
+    else:
+        assert status(out, 1) == b"400", out[1]
+    assert status(out, 3) == b"200" and json.loads(out[3]["body"])["path"] == "/after"
+    assert [r["path"] for r in alpha.requests[before[0]:]] == ["/after"]
+    assert len(beta.requests) == before[1]
+    assert [line["sandbox_id"] for line in log.events("link_open")] in (["alpha"], [])  # /after's, or a kept one
+    refused_status = 0 if answer == "reset" else 400
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == sorted(
+        [(refused_status, reason), (200, "")]), lines
+    assert gw.sample("sbxnet_gateway_refusals_total", {"reason": reason}) == before[2] + 1
+    assert not log.events("h2_refused")
     no_traceback(log)
 
 
-def test_data_beyond_the_content_length_of_a_head_already_upstream_cuts_it_in_its_reason(
+def test_a_malformed_head_whose_stream_is_still_open_gets_its_400_then_a_reset(stack: dict[str, Any]) -> None:
+    """RFC 9113 8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR, a response allowed
+    first. A head refused while the client has not ended its stream: 400, then RST_STREAM PROTOCOL_ERROR
+    (the client stops sending its body); one line; the next stream is served."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = (len(alpha.requests), gw.sample("sbxnet_gateway_refusals_total", {"reason": "bad_header"}))
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, [*base(b"/p", method=b"POST"), (b"X-Up", b"1")], end=False)
+            c.wait(1)
+            c.get(3, f"alpha.{DOMAIN}", b"/after")  # the reset of 1 went out before anything of 3
+            out = c.wait(3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert status(out, 1) == b"400" and out[1].get("reset") == 1 and status(out, 3) == b"200"
+    assert [r["path"] for r in alpha.requests[before[0]:]] == ["/after"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(200, ""), (400, "bad_header")]
+    assert gw.sample("sbxnet_gateway_refusals_total", {"reason": "bad_header"}) == before[1] + 1
+    no_traceback(log)
+
+
+def test_data_beyond_the_content_length_of_a_head_already_upstream_resets_its_stream_only(
     stack: dict[str, Any]
 ) -> None:
-    """The head went up (its link is open) before the DATA that breaks its content-length came: h2's
-    connection error ends it; the stream's own line says why (not ``client_gone``), beside one
-    ``h2_refused`` line, and nothing is logged as internal."""
+    """The head went up (its link is open) before the DATA that breaks its content-length came: the stream
+    is reset PROTOCOL_ERROR, its link aborted (the app reads no request: it never got the body), its line
+    says ``content_length_mismatch`` and no byte went up; the connection goes on."""
     gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = len(alpha.requests)
     with gateway_log(gw) as log:
         c = H2Client(stack, f"alpha.{DOMAIN}")
         try:
@@ -345,14 +396,169 @@ def test_data_beyond_the_content_length_of_a_head_already_upstream_cuts_it_in_it
             assert [line["sandbox_id"] for line in wait_events(log, "link_open", 1)] == ["alpha"]
             c.conn.send_data(1, b"abcdef", end_stream=True)
             c.sock.sendall(c.conn.data_to_send())
-            c.wait(1)
+            out = c.wait(1)
+            c.get(3, f"alpha.{DOMAIN}", b"/after")
+            out = c.wait(3)
         finally:
             c.close()
-        refused = wait_events(log, "h2_refused", 1)
-        lines = wait_events(log, "request", 1)
-    assert c.goaway == 1
-    assert [line["reason"] for line in refused] == ["content_length_mismatch"]
-    assert [(line["status"], line["reason"], line["bytes_up"]) for line in lines] == [(0, "content_length_mismatch", 0)]
+        lines = wait_events(log, "request", 2)
+    assert c.goaway is None and out[1].get("reset") == 1 and status(out, 3) == b"200"
+    assert [(line["status"], line.get("reason"), line["bytes_up"]) for line in lines] == [
+        (0, "content_length_mismatch", 0), (200, None, 0)], lines
+    assert [r["path"] for r in alpha.requests[before:]] == ["/after"]
+    assert not log.events("h2_refused")
+    no_traceback(log)
+
+
+def test_the_data_that_completes_content_length_waits_for_the_end_of_the_stream(stack: dict[str, Any]) -> None:
+    """content-length 3 and DATA "abc" without END_STREAM: the app does not get a whole request yet (the
+    stream may still turn out malformed); one more byte resets the stream and the app never saw the
+    request; an empty DATA with END_STREAM instead sends it on whole."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = len(alpha.requests)
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            for sid, path in ((1, b"/bad"), (3, b"/good")):
+                c.send(sid, [*base(path, method=b"POST"), (b"content-length", b"3")], end=False)
+                c.conn.send_data(sid, b"abc")
+                c.sock.sendall(c.conn.data_to_send())
+            wait_events(log, "link_open", 2)
+            time.sleep(0.5)  # time for the app to have read a whole request, had one gone up
+            assert len(alpha.requests) == before
+            c.conn.send_data(1, b"d", end_stream=True)
+            c.conn.end_stream(3)
+            c.sock.sendall(c.conn.data_to_send())
+            out = c.wait(1, 3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert out[1].get("reset") == 1 and status(out, 3) == b"200"
+    seen = json.loads(out[3]["body"])
+    assert (seen["path"], seen["body_len"]) == ("/good", 3)
+    assert [r["path"] for r in alpha.requests[before:]] == ["/good"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(0, "content_length_mismatch"),
+                                                                                (200, "")]
+    no_traceback(log)
+
+
+def test_a_content_length_zero_head_goes_up_only_once_its_stream_ended(stack: dict[str, Any]) -> None:
+    """content-length 0 on HEADERS without END_STREAM: as HTTP/1.1 that head alone is a whole request, so it
+    waits for the stream's end. DATA then resets the stream and the app never saw the request; an empty
+    DATA with END_STREAM sends it on."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = len(alpha.requests)
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            for sid, path in ((1, b"/bad"), (3, b"/good")):
+                c.send(sid, [*base(path, method=b"POST"), (b"content-length", b"0")], end=False)
+            time.sleep(0.5)  # time for the app to have answered, had a head gone up
+            assert len(alpha.requests) == before
+            assert not c.out
+            c.conn.send_data(1, b"x", end_stream=True)
+            c.conn.end_stream(3)
+            c.sock.sendall(c.conn.data_to_send())
+            out = c.wait(1, 3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert out[1].get("reset") == 1 and status(out, 3) == b"200"
+    seen = json.loads(out[3]["body"])
+    assert (seen["path"], seen["body_len"]) == ("/good", 0)
+    assert [r["path"] for r in alpha.requests[before:]] == ["/good"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(0, "content_length_mismatch"),
+                                                                                (200, "")]
+    no_traceback(log)
+
+
+def test_a_stream_the_client_resets_in_the_read_that_opened_it_still_gets_its_line(stack: dict[str, Any]) -> None:
+    """HEADERS then RST_STREAM in one write: the stream's task is told before it begins (a task cancelled
+    before it starts never runs its ``finally``: no line, and the stream stayed open for the drain and the
+    idle timer). Found beside point 9, whose stream errors take the same path."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = len(alpha.requests)
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.conn.send_headers(1, base(b"/r", method=b"POST"))
+            c.conn.reset_stream(1)
+            c.sock.sendall(c.conn.data_to_send())
+            c.get(3, f"alpha.{DOMAIN}", b"/after")
+            out = c.wait(3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert status(out, 3) == b"200"
+    assert [r["path"] for r in alpha.requests[before:]] == ["/after"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(0, "client_reset"), (200, "")]
+    no_traceback(log)
+
+
+def test_trailers_without_end_stream_reset_their_stream_only(stack: dict[str, Any]) -> None:
+    """Trailers must end the stream (RFC 9113 8.1): a HEADERS frame after the head without END_STREAM resets
+    that stream PROTOCOL_ERROR (h2 raised it as a connection error), its line says ``bad_trailers``, the app
+    never gets the request whole, the connection goes on."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    before = len(alpha.requests)
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            c.send(1, [*base(b"/t", method=b"POST"), (b"content-length", b"3")], end=False)  # as above
+            c.conn.send_data(1, b"abc")
+            f = hyperframe.frame.HeadersFrame(1)  # h2's client would not write it
+            f.data = c.conn.encoder.encode([(b"x-sum", b"1")])
+            f.flags.add("END_HEADERS")
+            c.sock.sendall(c.conn.data_to_send() + f.serialize())
+            c.get(3, f"alpha.{DOMAIN}", b"/after")
+            out = c.wait(1, 3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert c.goaway is None and out[1].get("reset") == 1 and status(out, 3) == b"200"
+    assert [r["path"] for r in alpha.requests[before:]] == ["/after"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(0, "bad_trailers"), (200, "")]
+    no_traceback(log)
+
+
+H2_BAD_TRAILERS = {
+    "pseudo-header": ([(b":path", b"/x")], "bad_pseudo_header"),
+    "upper-case-name": ([(b"X-Sum", b"1")], "bad_header"),
+    "connection-header": ([(b"connection", b"close")], "bad_header"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(H2_BAD_TRAILERS))
+def test_malformed_trailers_reset_their_stream_only(stack: dict[str, Any], case: str) -> None:
+    """Trailers are held to the field rules and carry no pseudo-header (RFC 9113 8.1): the stream is reset
+    PROTOCOL_ERROR with its reason in its line, the app never gets the request whole, the connection goes
+    on."""
+    gw: GatewayThread = stack["gw"]
+    alpha = stack["app"]
+    trailers, reason = H2_BAD_TRAILERS[case]
+    before = len(alpha.requests)
+    with gateway_log(gw) as log:
+        c = H2Client(stack, f"alpha.{DOMAIN}")
+        try:
+            # With a content-length, the app waits for the body, which the gateway holds until the stream's
+            # end: the app cannot answer the head before the trailers are judged (a chunked body it need not
+            # read first; the head goes up as it came).
+            c.send(1, [*base(b"/t", method=b"POST"), (b"content-length", b"3")], end=False)
+            c.conn.send_data(1, b"abc")
+            c.conn.send_headers(1, trailers, end_stream=True)
+            c.sock.sendall(c.conn.data_to_send())
+            c.get(3, f"alpha.{DOMAIN}", b"/after")
+            out = c.wait(1, 3)
+        finally:
+            c.close()
+        lines = wait_events(log, "request", 2)
+    assert c.goaway is None and out[1].get("reset") == 1 and status(out, 3) == b"200"
+    assert [r["path"] for r in alpha.requests[before:]] == ["/after"]
+    assert sorted((line["status"], line.get("reason") or "") for line in lines) == [(0, reason), (200, "")]
     no_traceback(log)
 
 
