@@ -571,10 +571,7 @@ class H1Session:
         first = [self._upstream_head(req, allow, host, up.conn)]
         self._body_here(up, first)
         started = time.monotonic()
-        await stream.write(b"".join(first))
-        body_task = None if self.h.request_done else asyncio.create_task(self._pump_request_body(up))
-        if body_task is not None:
-            body_task.add_done_callback(lambda task: self._body_ended(task, stream))
+        body_task: asyncio.Task[None] | None = None
         responded = False
         status = 0
         # What goes to the client next: what one read of the link gave (a head, body bytes, the end) is
@@ -582,6 +579,12 @@ class H1Session:
         # was a head and a body: two TLS records and two sends). Bounded by one read.
         out: list[bytes] = []
         try:
+            # The link may break under the head's write as under any read of it (the app reset it just
+            # after the forwarder's OK): one rule for both, below.
+            await stream.write(b"".join(first))
+            if not self.h.request_done:
+                body_task = asyncio.create_task(self._pump_request_body(up))
+                body_task.add_done_callback(lambda task: self._body_ended(task, stream))
             while True:
                 ev = up.conn.next_event()
                 if ev is h1.NEED_DATA:
