@@ -4,6 +4,14 @@ sandbox apps (issue 22, in the spirit of point 4: every exchange ends at once, i
 - A link the sandbox breaks as the request's head goes up (an app that resets each connection as it
   accepts it) is answered 502 ``upstream_broken``, as docs/gateway.md promises for a link broken before
   any response byte: never a traceback, a status-0 line without a reason and a client left with no answer.
+- A client that leaves while its request waits for the link (a sandbox whose program starts late: a cold
+  start) ends its exchange at once: one line, ``client_gone``, the link attempt aborted, and nothing of the
+  request reaches the app when it comes up. What the client sends during that wait (the rest of its body)
+  is kept for the request; a framing error in it is a 400 with nothing upstream, as one that came with the
+  head.
+- A client that leaves while its request waits for the link (a sandbox whose program starts late: a cold
+  start) ends its exchange at once: one line, ``client_gone``, and nothing of the request reaches the app
+  when it comes up.
 
 Timing comes from the gateway's own records (each request line's ``duration``), with bounds far from what
 the old behaviour took (the link's whole deadline) so they hold on a loaded machine.
@@ -203,4 +211,105 @@ def test_a_link_reset_as_the_head_goes_up_is_502_upstream_broken_in_one_line(
     assert answers == [want] * tries, answers
     assert [(line["status"], line["reason"], line["sandbox_id"]) for line in lines] == \
         [(502, "upstream_broken", "gone")] * tries, lines
+    gw.no_traceback()
+
+
+@pytest.mark.parametrize("how", ["close_notify", "fin", "reset"])
+def test_a_client_gone_while_the_link_is_set_up_ends_the_exchange_and_nothing_reaches_the_app(
+        tmp_path: Path, pki: Pki, forwarder: ForwarderThread, how: str) -> None:
+    rec = Recorder(listen=False)  # the sandbox's program is not up yet: the link waits for it (cold start)
+    gw = GatewayProcess(tmp_path, pki, {"cold": registration(
+        pki, forwarder.port, {rec.app.port: ("http", "public")}, default=rec.app.port, deadline=15.0)})
+    waited = 0.5
+    try:
+        s = tls(pki, gw.port, "cold")
+        s.sendall(b"POST /once HTTP/1.1\r\nHost: cold.sbx.test\r\nContent-Length: 5\r\n\r\nhello")
+        time.sleep(waited)  # the gateway waits for the forwarder's OK meanwhile
+        if how == "reset":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if how == "close_notify":
+            s.settimeout(5)
+            with contextlib.suppress(OSError):
+                s.unwrap()  # close_notify; then waits for the gateway's, which ends the connection instead
+        s.close()
+        lines = gw.requests(1, timeout=3.0)
+        rec.app.listen()  # the program comes up: a link still being set up would carry the request now
+        time.sleep(1.5)
+        lines = gw.requests(1)
+        gw.no_traceback()
+        forwarder.wait_idle(5)  # the link attempt was aborted, not left open on the forwarder
+    finally:
+        gw.stop()
+        rec.app.close()
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert (line["status"], line["reason"], line["sandbox_id"], line["bytes_up"]) == (0, "client_gone", "cold", 0), \
+        line
+    assert line["duration"] < waited + 2.0, line  # not the link's deadline (15 s), nor the program's start
+    assert rec.received() == b"", rec.received()  # not a byte of the request reached the app
+
+
+def _answer_with_body_length(conn: socket.socket) -> None:
+    """A sandbox app: one request with a Content-Length body, answered 200 with what it received."""
+    conn.settimeout(10)
+    got = b""
+    with contextlib.suppress(OSError):
+        while b"\r\n\r\n" not in got and (data := conn.recv(65536)):
+            got += data
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(body) < length and (data := conn.recv(65536)):
+            body += data
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        conn.close()
+
+
+def test_what_the_client_sends_while_the_link_is_set_up_goes_up_whole(
+        tmp_path: Path, pki: Pki, forwarder: ForwarderThread) -> None:
+    # The client is read while the link waits for the program: its body, sent meanwhile, is kept for the
+    # request and goes up with the head once the link is up.
+    app = SandboxApp(_answer_with_body_length, listen=False)
+    gw = GatewayProcess(tmp_path, pki, {"cold": registration(
+        pki, forwarder.port, {app.port: ("http", "public")}, default=app.port, deadline=15.0)})
+    try:
+        s = tls(pki, gw.port, "cold")
+        s.sendall(b"POST /p HTTP/1.1\r\nHost: cold.sbx.test\r\nConnection: close\r\nContent-Length: 10\r\n\r\nhello")
+        time.sleep(0.4)
+        s.sendall(b"world")
+        time.sleep(0.4)
+        app.listen()
+        out, end = read_all(s)
+        s.close()
+        lines = gw.requests(1)
+    finally:
+        gw.stop()
+        app.close()
+    assert out.startswith(b"HTTP/1.1 200 ") and out.endswith(b"\r\n\r\nhelloworld") and end == "eof", (out, end)
+    assert [(line["status"], line.get("reason"), line["bytes_up"]) for line in lines] == [(200, None, 10)], lines
+    gw.no_traceback()
+
+
+def test_a_framing_error_sent_while_the_link_is_set_up_is_400_with_nothing_upstream(
+        tmp_path: Path, pki: Pki, forwarder: ForwarderThread) -> None:
+    rec = Recorder(listen=False)
+    gw = GatewayProcess(tmp_path, pki, {"cold": registration(
+        pki, forwarder.port, {rec.app.port: ("http", "public")}, default=rec.app.port, deadline=15.0)})
+    try:
+        s = tls(pki, gw.port, "cold")
+        s.sendall(b"POST /up HTTP/1.1\r\nHost: cold.sbx.test\r\nTransfer-Encoding: chunked\r\n\r\n")
+        time.sleep(0.4)
+        s.sendall(b" 5\r\nhello\r\n0\r\n\r\n")  # a chunk size with a space, while the link waits
+        time.sleep(0.4)
+        rec.app.listen()
+        out, end = read_all(s)
+        s.close()
+        lines = gw.requests(1)
+        time.sleep(0.5)
+    finally:
+        gw.stop()
+        rec.app.close()
+    assert out.startswith(b"HTTP/1.1 400 ") and b"connection: close" in out.lower(), (out[:200], end)
+    assert [(line["status"], line["reason"], line["bytes_up"]) for line in lines] == [(400, "bad_request", 0)], lines
+    assert rec.received() == b""
     gw.no_traceback()
