@@ -50,7 +50,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
-from urllib.parse import urlsplit
 
 from gateway import h1_codec as h1
 from gateway.auth import Allow, Deny, Redirect, authorize
@@ -606,17 +605,14 @@ class H1Session:
     # -- proxying ----------------------------------------------------------------------------------
 
     def _upstream_head(self, req: h1.Request, allow: Allow, host: str, conn: h1.H1Client) -> bytes:
-        """The request head for the link (``conn``'s body framing follows from its headers)."""
-        target = allow.target
-        if not target.startswith(b"/") and target != b"*":
-            parts = urlsplit(target.decode("ascii"))
-            target = (parts.path or "/").encode() + (b"?" + parts.query.encode() if parts.query else b"")
+        """The request head for the link (``conn``'s body framing follows from its headers). ``allow.target``
+        is origin-form or ``*`` already (``admit``: ``request_rules.upstream_target``)."""
         upgrade = _upgrade(req)
         # allow.headers are end to end already (``_one``), and end with the gateway's own.
         headers = [(b"host", host.encode()), *((n, v) for n, v in allow.headers if n.lower() != b"host")]
         if upgrade:
             headers.append((b"connection", b"upgrade"))
-        return conn.send_request(req.method, target, headers)
+        return conn.send_request(req.method, allow.target, headers)
 
     async def _link(self, fwd: Forward) -> _Up:
         key = (fwd.sandbox, fwd.port)
