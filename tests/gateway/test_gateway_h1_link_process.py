@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +141,45 @@ def read_all(s: ssl.SSLSocket, timeout: float = 10.0) -> tuple[bytes, str]:
     return out, "eof"
 
 
-class Recorder:
-    """A sandbox app that keeps what each connection brought and never answers."""
+class LateApp:
+    """A sandbox app whose program listens only on ``listen()`` (a cold start). Its port is bound from the
+    start, so nothing else takes it meanwhile (a connect retried to a free loopback port in the ephemeral
+    range can end up connected to itself); until ``listen()`` a connect to it is refused, as to a program
+    not up yet."""
 
-    def __init__(self, *, listen: bool = True) -> None:
+    def __init__(self, handler: Callable[[socket.socket], None]) -> None:
+        self.handler = handler
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+
+    def listen(self) -> None:
+        self.sock.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            self.handler(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Recorder:
+    """A sandbox app, up only on ``app.listen()``, that keeps what each connection brought and never answers."""
+
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.conns: list[bytearray] = []
-        self.app = SandboxApp(self._handle, listen=listen)
+        self.app = LateApp(self._handle)
 
     def _handle(self, conn: socket.socket) -> None:
         got = bytearray()
@@ -217,7 +249,7 @@ def test_a_link_reset_as_the_head_goes_up_is_502_upstream_broken_in_one_line(
 @pytest.mark.parametrize("how", ["close_notify", "fin", "reset"])
 def test_a_client_gone_while_the_link_is_set_up_ends_the_exchange_and_nothing_reaches_the_app(
         tmp_path: Path, pki: Pki, forwarder: ForwarderThread, how: str) -> None:
-    rec = Recorder(listen=False)  # the sandbox's program is not up yet: the link waits for it (cold start)
+    rec = Recorder()  # the sandbox's program is not up yet: the link waits for it (cold start)
     gw = GatewayProcess(tmp_path, pki, {"cold": registration(
         pki, forwarder.port, {rec.app.port: ("http", "public")}, default=rec.app.port, deadline=15.0)})
     waited = 0.5
@@ -269,7 +301,7 @@ def test_what_the_client_sends_while_the_link_is_set_up_goes_up_whole(
         tmp_path: Path, pki: Pki, forwarder: ForwarderThread) -> None:
     # The client is read while the link waits for the program: its body, sent meanwhile, is kept for the
     # request and goes up with the head once the link is up.
-    app = SandboxApp(_answer_with_body_length, listen=False)
+    app = LateApp(_answer_with_body_length)
     gw = GatewayProcess(tmp_path, pki, {"cold": registration(
         pki, forwarder.port, {app.port: ("http", "public")}, default=app.port, deadline=15.0)})
     try:
@@ -292,7 +324,7 @@ def test_what_the_client_sends_while_the_link_is_set_up_goes_up_whole(
 
 def test_a_framing_error_sent_while_the_link_is_set_up_is_400_with_nothing_upstream(
         tmp_path: Path, pki: Pki, forwarder: ForwarderThread) -> None:
-    rec = Recorder(listen=False)
+    rec = Recorder()
     gw = GatewayProcess(tmp_path, pki, {"cold": registration(
         pki, forwarder.port, {rec.app.port: ("http", "public")}, default=rec.app.port, deadline=15.0)})
     try:
