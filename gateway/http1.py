@@ -11,12 +11,15 @@ Per request: the head within ``header_timeout``; the target's form (``request_ru
 (``routing.decide_http``: 404), a wake if the sandbox is not active (503 with Retry-After if it does not
 come up), ``auth.authorize`` (401, 403, or the ``?token=`` redirect), then the link to the sandbox's
 forwarder (``upstream.open_upstream``; 502/503/504 from it). Only then does a request byte go upstream,
-so no request is ever sent twice. The request body and the response stream both ways at once, never
-buffered whole. Keep-alive and pipelining (the codec queues pipelined requests), WebSocket and other
-upgrades (after a 101 the bytes pass through both ways by the raw routes' rule, ``relay.relay``: close_notify ends
-one direction and is passed on, a TCP FIN without close_notify, a reset or a TLS error resets both sides,
-``websocket_idle_timeout`` without a byte too). Once a response byte has gone
-to the client nothing is retried or synthesised: a failure then closes the connection.
+so no request is ever sent twice. A client that leaves while its request waits for the route, a wake or
+the link ends the exchange at once with nothing sent upstream (``_unless_client_leaves``: the client is
+read only once that wait is real, so the keep-alive fast path costs no task). The request body and the
+response stream both ways at once, never buffered whole. Keep-alive and pipelining (the codec queues
+pipelined requests), WebSocket and other upgrades (after a 101 the bytes pass through both ways by the raw
+routes' rule, ``relay.relay``: close_notify ends one direction and is passed on, a TCP FIN without
+close_notify, a reset or a TLS error resets both sides, ``websocket_idle_timeout`` without a byte too).
+Once a response byte has gone to the client nothing is retried or synthesised: a failure then closes the
+connection.
 
 How connections end. The link to the sandbox is kept between requests to the same sandbox port; once no
 exchange is under way on it (no request sent since the last whole exchange, or the app's close after a
@@ -44,10 +47,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlsplit
+from typing import Any, Generic, TypeVar
 
 from gateway import h1_codec as h1
 from gateway.auth import Allow, Deny, Redirect, authorize
@@ -221,6 +223,46 @@ class _ClientGone(Exception):
     pass
 
 
+_T = TypeVar("_T")
+
+# What the client sends while its request waits for admission or a link, read ahead into the codec (so its
+# end is seen) per request; past it the client is left to TCP's flow control and watched no more.
+READ_AHEAD = 65536
+
+
+class _OnFirstWait(Generic[_T]):
+    """``await _OnFirstWait(coro, on_wait)`` is ``await coro`` in the awaiting task (what ``coro`` yields
+    goes to the task as it is, what the task sends or throws goes back), and calls ``on_wait`` once, the
+    first time ``coro`` waits: a coroutine that returns without waiting (a cached route, a kept link)
+    costs no more than the call."""
+
+    __slots__ = ("coro", "on_wait")
+
+    def __init__(self, coro: Coroutine[Any, Any, _T], on_wait: Callable[[], None]) -> None:
+        self.coro = coro
+        self.on_wait: Callable[[], None] | None = on_wait
+
+    def __await__(self) -> Generator[Any, Any, _T]:
+        coro = self.coro
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                waits_on = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as e:
+                return e.value
+            if self.on_wait is not None:
+                on_wait, self.on_wait = self.on_wait, None
+                on_wait()
+            try:
+                value, error = (yield waits_on), None
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as e:  # the task's cancellation, as ``await`` passes it on
+                value, error = None, e
+
+
 def _client_cut(task: asyncio.Task[None]) -> BaseException | None:
     """How the client's side broke a request body's pump (its framing refused, or the client gone), or None."""
     if not task.done() or task.cancelled():
@@ -275,6 +317,11 @@ class H1Session:
         self._idle_deadline = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._closing: set[asyncio.Task[bool]] = set()  # links being closed in order
+        # The client watched while a request waits for admission or its link (``_unless_client_leaves``).
+        self._setting_up = False
+        self._client_left = False
+        self._watch: asyncio.Task[None] | None = None
+        self._read_ahead = 0  # bytes read ahead for the request being served
 
     def drain(self) -> None:
         """The gateway drains: a connection waiting for its next request is closed now; a response not yet
@@ -358,6 +405,60 @@ class H1Session:
     def _end_idle_wait_later(self) -> None:
         self._idle_timer = None
         self._end_idle_wait()
+
+    # -- a client gone while its request waits ------------------------------------------------------
+
+    async def _unless_client_leaves(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """``await coro`` (a request's admission, its link's set-up), ended at once if the client leaves
+        meanwhile: a reset, a TLS error, an end of stream (close_notify or a bare FIN) raises ``_ClientGone``,
+        ``coro`` cancelled (a link being opened is aborted; a wake or a lookup others share goes on), the
+        request logged ``client_gone`` and the client reset; nothing of it went upstream. The client is
+        read only once ``coro`` waits (``_OnFirstWait``: a cached route and a kept link never do), what it
+        sends meanwhile kept for the request (its body, a pipelined request), ``READ_AHEAD`` at most."""
+        self._setting_up, self._client_left = True, False
+        try:
+            return await _OnFirstWait(coro, self._watch_client)
+        except asyncio.CancelledError:
+            # The watch cancels this task only while it waits in ``coro`` (as asyncio.timeout does): a
+            # cancellation of its own (a drain's cut) goes on.
+            owner = asyncio.current_task()
+            if self._client_left and owner is not None and owner.uncancel() == 0:
+                self._rec.reason = "client_gone"
+                self.client.abort()
+                raise _ClientGone() from None
+            raise
+        finally:
+            self._setting_up = False
+            watch, self._watch = self._watch, None
+            # Nobody else reads the client before the watch has ended: woken with nothing taken, or (when it
+            # cannot be woken just now) once it has taken the bytes that came and sees it is over.
+            while watch is not None and not watch.done():
+                self.client.interrupt_read()
+                await asyncio.wait((watch,), timeout=0.01)
+
+    def _watch_client(self) -> None:
+        """``coro`` waits (called in its task): watch the client from now on."""
+        owner = asyncio.current_task()
+        if self._watch is None and self._read_ahead < READ_AHEAD and owner is not None:
+            self._watch = asyncio.create_task(self._watch_reads(owner))
+
+    async def _watch_reads(self, owner: asyncio.Task[Any]) -> None:
+        """Read the client while ``_unless_client_leaves`` waits: bytes go to the codec; its end cancels
+        ``owner``'s wait."""
+        while self._setting_up and self._read_ahead < READ_AHEAD:
+            try:
+                data = await self.client.read(READ_AHEAD - self._read_ahead)
+            except ReadInterrupted:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                if self._setting_up:
+                    self._client_left = True
+                    owner.cancel()
+                return  # else the end stays for the next read (the stream keeps it)
+            self._read_ahead += len(data)
+            self.h.receive_data(data)
 
     # -- answering ourselves -----------------------------------------------------------------------
 
@@ -467,10 +568,11 @@ class H1Session:
         hosts = [v for n, v in req.headers if n == b"host"]
         # Hop-by-hop headers go first (with whatever Connection names): what admit and auth pass on is
         # end to end, and the gateway's own (X-Forwarded-*, Host) are set after, so none can be named away.
-        d = await admit(self.gw, self.conn_name, self.peer[0], method=req.method, target=req.target, hosts=hosts,
-                        headers=h1.end_to_end(req.headers, keep_upgrade=_upgrade(req)),
-                        http10=req.http_version == b"1.0", upgrade=req.upgrade, cert_names=self.cert_names,
-                        rec=self._rec)
+        self._read_ahead = 0
+        d = await self._unless_client_leaves(admit(
+            self.gw, self.conn_name, self.peer[0], method=req.method, target=req.target, hosts=hosts,
+            headers=h1.end_to_end(req.headers, keep_upgrade=_upgrade(req)), http10=req.http_version == b"1.0",
+            upgrade=req.upgrade, cert_names=self.cert_names, rec=self._rec))
         if isinstance(d, Refusal):
             await self.answer(d.status, d.message, d.headers, close=d.close, reason=d.reason)
             return not d.close and await self._drain_body()
@@ -503,17 +605,14 @@ class H1Session:
     # -- proxying ----------------------------------------------------------------------------------
 
     def _upstream_head(self, req: h1.Request, allow: Allow, host: str, conn: h1.H1Client) -> bytes:
-        """The request head for the link (``conn``'s body framing follows from its headers)."""
-        target = allow.target
-        if not target.startswith(b"/") and target != b"*":
-            parts = urlsplit(target.decode("ascii"))
-            target = (parts.path or "/").encode() + (b"?" + parts.query.encode() if parts.query else b"")
+        """The request head for the link (``conn``'s body framing follows from its headers). ``allow.target``
+        is origin-form or ``*`` already (``admit``: ``request_rules.upstream_target``)."""
         upgrade = _upgrade(req)
         # allow.headers are end to end already (``_one``), and end with the gateway's own.
         headers = [(b"host", host.encode()), *((n, v) for n, v in allow.headers if n.lower() != b"host")]
         if upgrade:
             headers.append((b"connection", b"upgrade"))
-        return conn.send_request(req.method, target, headers)
+        return conn.send_request(req.method, allow.target, headers)
 
     async def _link(self, fwd: Forward) -> _Up:
         key = (fwd.sandbox, fwd.port)
@@ -537,12 +636,17 @@ class H1Session:
 
     async def _proxy(self, req: h1.Request, fwd: Forward, allow: Allow, host: str) -> bool:
         try:
-            up = await self._link(fwd)
+            up = await self._unless_client_leaves(self._link(fwd))
         except UpstreamFailed as e:
             self.gw.invalidate(fwd.sandbox)
             extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
             await self.answer(e.http_status, e.detail, extra, reason=e.reason)
             return await self._drain_body()
+        refused = self.h.refusal_ahead()
+        if refused is not None:
+            # The body's framing broke in what came while the link was set up: nothing goes upstream.
+            await self._refuse(refused)
+            return False
         sandbox_slot = self.gw.take_sandbox_slot(fwd.sandbox)
         if not sandbox_slot:
             await self.answer(503, "too many connections to this sandbox", [(b"retry-after", b"1")],
@@ -554,7 +658,7 @@ class H1Session:
             except _KeptLinkFailed:
                 self.gw.metrics.upstream_retries.labels("kept_link_closed").inc()
             try:
-                up = await self._link(fwd)  # a fresh one: the failed link is gone
+                up = await self._unless_client_leaves(self._link(fwd))  # a fresh one: the failed link is gone
             except UpstreamFailed as e:
                 self.gw.invalidate(fwd.sandbox)
                 extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
@@ -571,10 +675,7 @@ class H1Session:
         first = [self._upstream_head(req, allow, host, up.conn)]
         self._body_here(up, first)
         started = time.monotonic()
-        await stream.write(b"".join(first))
-        body_task = None if self.h.request_done else asyncio.create_task(self._pump_request_body(up))
-        if body_task is not None:
-            body_task.add_done_callback(lambda task: self._body_ended(task, stream))
+        body_task: asyncio.Task[None] | None = None
         responded = False
         status = 0
         # What goes to the client next: what one read of the link gave (a head, body bytes, the end) is
@@ -582,6 +683,12 @@ class H1Session:
         # was a head and a body: two TLS records and two sends). Bounded by one read.
         out: list[bytes] = []
         try:
+            # The link may break under the head's write as under any read of it (the app reset it just
+            # after the forwarder's OK): one rule for both, below.
+            await stream.write(b"".join(first))
+            if not self.h.request_done:
+                body_task = asyncio.create_task(self._pump_request_body(up))
+                body_task.add_done_callback(lambda task: self._body_ended(task, stream))
             while True:
                 ev = up.conn.next_event()
                 if ev is h1.NEED_DATA:

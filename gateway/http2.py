@@ -803,14 +803,17 @@ class H2Session:
         if leftover:
             conn.receive_data(leftover)
         started = time.monotonic()
-        await stream.write(self._upstream_head(st, method, d, conn))
-        if st.ended:
-            # No body: no byte to send, but the request is whole (the response may be read whole before the
-            # body task first runs), or the link would count as cut and be aborted.
-            conn.send_eom()
-        body_task = asyncio.create_task(self._pump_request_body(st, conn, stream))
+        head = self._upstream_head(st, method, d, conn)
+        body_task: asyncio.Task[None] | None = None
         responded = False
         try:
+            # The link may break under the head's write as under any read of it: one rule for both, below.
+            await stream.write(head)
+            if st.ended:
+                # No body: no byte to send, but the request is whole (the response may be read whole before
+                # the body task first runs), or the link would count as cut and be aborted.
+                conn.send_eom()
+            body_task = asyncio.create_task(self._pump_request_body(st, conn, stream))
             while True:
                 ev = conn.next_event()
                 if ev is h1.NEED_DATA:
@@ -844,7 +847,8 @@ class H2Session:
             await self._upstream_broke(st, responded)
             return
         finally:
-            await _stopped(body_task)
+            if body_task is not None:
+                await _stopped(body_task)
         if not st.done and self._remote_open(st):
             # The response is whole but the client is still sending: it need not (RFC 9113 8.1).
             self._reset(st, h2.errors.ErrorCodes.NO_ERROR)

@@ -254,6 +254,9 @@ async def _exchange(stream: TlsStream, t: _Target, policy: UpstreamPolicy) -> tu
     except (OSError, ssl.SSLError) as e:
         stream.abort()
         raise _Retry("reset_before_status") from e
+    except asyncio.CancelledError:
+        stream.abort()  # the request's client left (or a drain's cut): the forwarder sees the link reset
+        raise
     if answer.status is Status.OK:
         return stream, answer.leftover
     stream.abort()

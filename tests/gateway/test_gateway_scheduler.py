@@ -397,3 +397,62 @@ async def test_a_new_client_context_serves_the_next_calls_and_lets_those_in_flig
         release.set()
         await routes.close()
         await runner.cleanup()
+
+
+def _leave_after(c: Chain, host: str, wait: float) -> None:
+    """A client that sends a request, then resets its connection ``wait`` seconds later without an answer."""
+    import socket
+    import struct
+
+    ctx = ssl.create_default_context(cafile=str(c.pki.ca_file))
+    ctx.set_alpn_protocols(["http/1.1"])
+    raw = socket.create_connection(("127.0.0.1", c.gw.port), timeout=10)
+    tls = ctx.wrap_socket(raw, server_hostname=host)
+    tls.sendall(f"GET /gone HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    time.sleep(wait)
+    tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    tls.close()
+
+
+async def test_a_client_gone_during_a_wake_ends_its_exchange_and_the_wake_goes_on(chain: Chain) -> None:
+    """Issue 22 (point 4's rule): a client that leaves while its request waits for the sandbox's wake is
+    logged ``client_gone`` at once; the wake it asked for goes on, and nothing reaches the app it woke."""
+    platform: Platform = chain.platform  # type: ignore[attr-defined]
+    app: list[EchoHttp] = [EchoHttp()]
+    port = app[0].port
+
+    async def driver(ev: dict[str, Any]) -> None:
+        sid = ev["sandbox"]
+        if ev["to"] == "idle":
+            _, doc = await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "stopping"})
+            if doc.get("proceed"):
+                await asyncio.to_thread(app[0].stop)
+                await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "stopped"})
+        elif ev["to"] == "waking":
+            await asyncio.sleep(4.0)  # the program takes a while to start
+            app[0] = EchoHttp(port)
+            await chain.client.admin("POST", f"/v1/sandboxes/{sid}/driver", {"event": "ready"})
+
+    platform.on_event = driver
+    try:
+        await register(chain, "sleepy", port, idle_period_s=0.5)
+        assert (await chain.get(f"sleepy.{DOMAIN}"))[0] == 200
+        sched = chain.sched
+        await wait_for(lambda: sched.state("sleepy") == "stopped", 10.0, "stopped by the driver")
+        await register(chain, "sleepy", port, idle_period_s=60)
+        with gateway_log() as log:  # the earlier request's line is written already
+            # The cached route says active: the link is tried first, the forwarder answers NOT_LISTENING
+            # (its connect_deadline: 1 s), the route is looked up again and the wake asked for; then the
+            # client leaves.
+            await asyncio.to_thread(_leave_after, chain, f"sleepy.{DOMAIN}", 2.0)
+            await wait_for(lambda: sched.state("sleepy") == "active", 15.0, "woken all the same")
+            await asyncio.sleep(0.5)  # a request still waiting for the wake would reach the app now
+            lines = log.events("request")
+        assert [(line["status"], line["reason"], line["sandbox_id"]) for line in lines] == \
+            [(0, "client_gone", "sleepy")], lines
+        assert lines[0]["duration"] < 3.5, lines  # the program took 4 s to start
+        assert app[0].requests == []
+        assert [e["to"] for e in platform.events] == ["idle", "waking"]
+        assert chain.gw.sample("sbxnet_gateway_wakes_total") == 1  # asked for before the client left
+    finally:
+        app[0].stop()
