@@ -286,7 +286,7 @@ class ForwarderServer:
         ended = self._ended - self._ended_at_trim
         if ended >= TRIM_AFTER_ENDS or (ended and every):
             self._ended_at_trim = self._ended
-            trim_heap()
+            trim_heap(idle=self.open_connections == 0)
 
     def _flush_bytes(self) -> None:
         up, down = self.meter.totals()

@@ -182,10 +182,14 @@ class HeapTrimmer:
         self._cost_per_unit = 0.0  # seconds of collection per unit of live heap, the last time
         self._released_at = float("-inf")
         self._deferred = False
+        self._idle_due = False  # every connection ended since the last release: one is due, heap or not
         self.releases = 0
 
-    def trim(self) -> bool:
-        """Release the free lists if due, then ``malloc_trim(0)``; False where there is no such call."""
+    def trim(self, *, idle: bool = False) -> bool:
+        """Release the free lists if due, then ``malloc_trim(0)``; False where there is no such call.
+        ``idle``: no connection is open, so a release is due whatever the live heap says (the cyclic garbage
+        of the tunnels that ended after a release mid-wave keeps the live heap above ``SHRUNK``)."""
+        self._idle_due = self._idle_due or idle
         self._maybe_release()
         if _TRIM is None:
             return False
@@ -194,7 +198,7 @@ class HeapTrimmer:
 
     def _maybe_release(self) -> None:
         live = self._live()
-        if live > self._level * SHRUNK:
+        if live > self._level * SHRUNK and not self._idle_due:
             self._level = max(self._level, live)
             return
         wait = self._cost_per_unit * live / MAX_DUTY - (self._clock() - self._released_at)
@@ -208,6 +212,7 @@ class HeapTrimmer:
         self._released_at = self._clock()
         self._cost_per_unit = (self._released_at - t0) / max(live, 1)
         self._level = self._live()
+        self._idle_due = False
         self.releases += 1
 
     def _retry(self) -> None:
@@ -324,7 +329,7 @@ def release_bio_buffers(tls: ssl.SSLObject, bios: tuple[ssl.MemoryBIO, ...], abo
     return released
 
 
-def trim_heap() -> bool:
+def trim_heap(*, idle: bool = False) -> bool:
     """Give malloc's free heap pages back to the kernel (glibc ``malloc_trim(0)``, which also releases
     free pages inside the heap, not only at its top), after the interpreter's free lists when the live
     heap has shrunk (:class:`HeapTrimmer`). False where the C library has no such call. It walks the heap:
@@ -332,4 +337,4 @@ def trim_heap() -> bool:
     global _trimmer
     if _trimmer is None:
         _trimmer = HeapTrimmer()
-    return _trimmer.trim()
+    return _trimmer.trim(idle=idle)
