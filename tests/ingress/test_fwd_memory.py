@@ -329,3 +329,33 @@ def test_free_lists_are_released_after_the_heap_shrinks_and_no_more_often_than_t
         heap.live, heap.now = 1500 + (i % 7) * 20, 1000.0 + i
         t.trim()
     assert heap.released == 2 and not heap.deferred
+
+
+def test_an_idle_trim_releases_whatever_the_live_heap_says_still_within_the_duty() -> None:
+    from forwarder.ingress.planes.memory import MAX_DUTY, HeapTrimmer
+
+    heap = FakeHeap(live=1000, cost_per_unit=0.001)
+    t = HeapTrimmer(live=lambda: heap.live, release=heap.release, clock=lambda: heap.now, defer=heap.defer)
+    heap.live, heap.now = 2000, 1.0
+    t.trim()
+    heap.live = heap.after_release = 1990  # the last tunnels ended, but their garbage holds the heap up
+    heap.now = 2.0
+    t.trim()
+    assert heap.released == 0  # not idle, heap barely shrunk: nothing due
+    t.trim(idle=True)
+    assert heap.released == 1  # no connection open: released although the heap never shrank to SHRUNK
+    released_at = heap.now
+    # An idle trim is still held to the duty: too soon, it is deferred, once, and released when allowed.
+    heap.now = released_at + 1.0
+    t.trim(idle=True)
+    t.trim(idle=True)
+    assert heap.released == 1 and len(heap.deferred) == 1
+    when, fn = heap.deferred.pop()
+    assert when == pytest.approx(released_at + 0.001 * 1990 / MAX_DUTY)
+    heap.now = when
+    fn()
+    assert heap.released == 2
+    # Once released, a plain trim at the same heap is not due again.
+    heap.now += 1000
+    t.trim()
+    assert heap.released == 2 and not heap.deferred
