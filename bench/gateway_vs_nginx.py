@@ -15,6 +15,9 @@ Arms:
      -> nginx's stream module as the TCP-level mutual-TLS hop (bench/nginx/hop.conf, the forwarder's
      certificate) -> the app's plaintext port
   D  direct: TLS 1.3 to the app's own TLS listener, no hop: the baseline for added latency
+  O  the same as A with the gateway's code taken from another source tree (``--old-tree DIR``, e.g. a
+     ``git worktree`` of an earlier commit; the forwarder stays this tree's): old against new, interleaved,
+     for a change to the gateway (O and A differ only in the gateway's code)
 
 Each front and hop runs one worker. Measurements (``--metrics``), with h2load (nghttp2-client) and curl:
   ka1        keep-alive, one connection, small body: p50, p99, requests/s
@@ -82,6 +85,7 @@ ARM_NAMES = {
     "P": "the same as A, with the gateway's warm pool (2 ready links)",
     "B": "nginx front -> nginx stream TLS hop -> app",
     "D": "direct TLS to the app (no hop)",
+    "O": "the same as A, with the gateway from --old-tree",
 }
 
 
@@ -184,6 +188,12 @@ def wait_for_quiet(threshold: float, max_wait: float) -> dict[str, Any]:
 # -- processes ------------------------------------------------------------------------------------------
 
 
+def _tree_commit(tree: Path) -> str:
+    """The commit a source tree is at, for the report ("?" where it is not a git checkout)."""
+    r = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else "?"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -248,6 +258,7 @@ class Bench:
     arms: dict[str, Arm] = field(default_factory=dict)
     plane: str = ""
     plane_note: str = ""
+    old_tree: Path | None = None
 
     # -- set-up -----------------------------------------------------------------------------------------
 
@@ -300,12 +311,16 @@ class Bench:
         wait_port(ready_port, proc, log)
         return server
 
-    def sbxnet(self, name: str, env: dict[str, str], ready_port: int, *, tag: str = "") -> Server:
+    def sbxnet(self, name: str, env: dict[str, str], ready_port: int, *, tag: str = "",
+               tree: Path | None = None) -> Server:
+        """Start ``sbxnet <name>`` from this checkout, or from ``tree`` (its code first on the path)."""
         log = self.work / f"{name}{tag}.log"
-        full = {k: v for k, v in os.environ.items() if not k.startswith("SBXNET_")}
+        full = {k: v for k, v in os.environ.items() if not k.startswith("SBXNET_") and k != "PYTHONPATH"}
         full.update(env)
+        if tree is not None:
+            full["PYTHONPATH"] = str(tree)
         with log.open("wb") as out:
-            proc = subprocess.Popen([PY, "-m", "sbxnet.app.cli", name], env=full, cwd=ROOT, stdout=out,
+            proc = subprocess.Popen([PY, "-m", "sbxnet.app.cli", name], env=full, cwd=tree or ROOT, stdout=out,
                                     stderr=subprocess.STDOUT)
         server = Server(name, proc, log)
         self.servers.append(server)
@@ -331,11 +346,15 @@ class Bench:
             self.arms["A"] = self.chain("A", pool_size=0)
         if "P" in arms:
             self.arms["P"] = self.chain("P", pool_size=2)
+        if "O" in arms:
+            if self.old_tree is None:
+                raise RuntimeError("arm O needs --old-tree DIR (a source tree of the gateway to compare against)")
+            self.arms["O"] = self.chain("O", pool_size=0, gateway_tree=self.old_tree)
         for arm in self.arms.values():
             arm.cipher = self.cipher(arm.port)
             self.check(arm)
 
-    def chain(self, name: str, *, pool_size: int) -> Arm:
+    def chain(self, name: str, *, pool_size: int, gateway_tree: Path | None = None) -> Arm:
         """``sbxnet gateway`` -> ``sbxnet forwarder`` -> the app, a pair of processes of its own."""
         from forwarder.ingress.planes.ktls_keys import probe
 
@@ -382,9 +401,10 @@ class Bench:
             "SBXNET_GATEWAY_UPSTREAM_CA_FILE": str(w / "ca.crt"),
             "SBXNET_GATEWAY_LOG_LEVEL": "warning",
             "SBXNET_GATEWAY_UPSTREAM_POOL_SIZE": str(pool_size),
-        }, gw_port, tag=f"-{name}")
+        }, gw_port, tag=f"-{name}", tree=gateway_tree)
         pool = f"warm pool of {pool_size} per forwarder" if pool_size else "no warm pool"
-        return Arm(name, gw_port, [gw], [fwd], [self.app], f"forwarder data plane {self.plane}, {pool}")
+        code = f", gateway from {gateway_tree} ({_tree_commit(gateway_tree)})" if gateway_tree else ""
+        return Arm(name, gw_port, [gw], [fwd], [self.app], f"forwarder data plane {self.plane}, {pool}{code}")
 
     def cipher(self, port: int) -> str:
         ctx = ssl.create_default_context(cafile=str(self.work / "ca.crt"))
@@ -652,13 +672,18 @@ def main() -> int:
     ap.add_argument("--proto", choices=("h1", "h2"), default="h1", help="h2load's protocol (default HTTP/1.1)")
     ap.add_argument("--wait-load", type=float, help="first wait until the 1-minute load average is under this")
     ap.add_argument("--wait-max", type=float, default=1200, help="but no longer than this many seconds")
+    ap.add_argument("--old-tree", type=Path, help="arm O's gateway code: another source tree of this project")
     ap.add_argument("--keep", action="store_true", help="keep the working directory (configs, logs)")
     args = ap.parse_args()
     arms = [a.strip().upper() for a in args.arms.split(",") if a.strip()]
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     for a in arms:
         if a not in ARM_NAMES:
-            ap.error(f"unknown arm {a!r} (A, P, B, D)")
+            ap.error(f"unknown arm {a!r} ({', '.join(ARM_NAMES)})")
+    if ("O" in arms) != (args.old_tree is not None):
+        ap.error("arm O and --old-tree go together")
+    if args.old_tree is not None and not (args.old_tree / "gateway" / "server.py").is_file():
+        ap.error(f"--old-tree {args.old_tree}: no gateway/server.py there (give a source tree of this project)")
     for m in metrics:
         if m not in METRICS:
             ap.error(f"unknown measurement {m!r} ({', '.join(METRICS)})")
@@ -672,6 +697,7 @@ def main() -> int:
     machine["loadavg_before"] = list(os.getloadavg())
     work = Path(tempfile.mkdtemp(prefix="gw-vs-nginx-"))
     bench = Bench(work, args.small_bytes, args.bulk_mib << 20)
+    bench.old_tree = args.old_tree.resolve() if args.old_tree is not None else None
     trials: list[dict[str, Any]] = []
     started = time.time()
     try:
